@@ -1,0 +1,9 @@
+"""replaylm: a CUDA-graph-centred LLM inference engine for Llama/Qwen-family models."""
+
+from replaylm.config import EngineArgs
+from replaylm.engine.llm import LLM
+from replaylm.engine.outputs import CompletionOutput, RequestOutput
+from replaylm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,62 @@
+"""The graph-safe Triton attention backend: paged varlen attention plus the KV write.
+
+Every length is read from device memory; the launch grid and the kernel variant depend only
+on the padded token count, the slot count, head counts and the host-known bounds in the
+metadata, so a CUDA graph captures ``forward`` and replays it for any batch that fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.kernels import attention as attn_kernels
+from replaylm.kernels import kv_write as kv_kernels
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged, varlen, causal GQA attention in Triton (head_dim a power of two, e.g. 64/128)."""
+
+    name = "triton"
+    graph_safe = True
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        kv_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return attn_kernels.paged_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table, scale,
+            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+        )
+
+    def warmup(self, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device) -> None:
+        """Run every kernel variant once on tiny inputs so nothing JITs during capture.
+
+        The variants are: each decode/verify tile height (by ``max_q_len``), with and without
+        split-KV (plus the combine kernel), the prefill tile, and the KV write.
+        """
+        device = torch.device(device)
+        g_pad = attn_kernels.group_pad(num_heads, num_kv_heads)
+        k_cache = torch.zeros(3, BLOCK_SIZE, num_kv_heads, head_dim, device=device, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        n = 2 * BLOCK_SIZE
+        k = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype)
+        self.write_kv(k, k, k_cache, v_cache, torch.arange(BLOCK_SIZE, 3 * BLOCK_SIZE,
+                                                            device=device))
+        block_table = torch.tensor([[1, 2]], device=device, dtype=torch.int32)
+        kv_lens = torch.tensor([n], device=device, dtype=torch.int32)
+        configs: dict[attn_kernels.AttnConfig, int] = {}
+        for q_len in (1, 2, 4, 8, 16, 32, 64, 128, 4096):
+            configs.setdefault(attn_kernels.pick_config(q_len, g_pad, head_dim), q_len)
+        for cfg, q_len in configs.items():
+            t = min(q_len, n)
+            q = torch.randn(t, num_heads, head_dim, device=device, dtype=dtype)
+            cu = torch.tensor([0, t], device=device, dtype=torch.int32)
+            for splits in (1, 2) if q_len <= 16 else (1,):
+                attn_kernels.paged_attention(
+                    q, k_cache, v_cache, cu, kv_lens, block_table, head_dim**-0.5,
+                    max_q_len=q_len, max_kv_len=n, num_splits=splits, config=cfg,
+                )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

@@ -1,0 +1,144 @@
+"""``EngineArgs``: every engine setting in one frozen dataclass, validated on construction.
+
+``LLM(...)``, the CLI and ``replaylm serve`` all build from it with the same names. Values the
+engine derives at start-up (KV blocks, graph tiers, resolved dtype) live on the engine, never
+written back here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, get_args
+
+GRAPH_MODES = ("eager", "full", "piecewise", "full_and_piecewise", "ragged")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+_HELP: dict[str, str] = {
+    "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
+    "llama3.2-1b, llama3-8b)",
+    "tokenizer": "tokenizer directory (defaults to the model's)",
+    "dtype": "weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    "device": "auto, cpu or cuda[:N]",
+    "seed": "engine seed: dummy weights and requests without their own seed",
+    "max_model_len": "longest prompt + output per request (default: the model's limit, "
+    "capped at 8192)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "per-step token budget (prefill chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
+    "gpu_memory_utilization": "share of GPU memory the engine may use (weights + activations "
+    "+ KV cache)",
+    "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
+    "cpu_kv_cache_gib": "KV cache size on CPU, in GiB",
+    "enforce_eager": "never use CUDA graphs (wins over --cuda-graph-mode)",
+    "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
+    "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
+    "skip_tokenizer_init": "run on token ids alone (no tokenizer)",
+    "attention_backend": "auto (triton on CUDA when available, else torch), torch or triton",
+}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """All engine settings. Unknown or out-of-range values raise ``ValueError`` naming the field."""
+
+    model: str = "default"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    cpu_kv_cache_gib: float = 1.0
+    enforce_eager: bool = False
+    cuda_graph_mode: str | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.cuda_graph_mode is not None:
+            _choice("cuda_graph_mode", self.cuda_graph_mode, GRAPH_MODES)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"EngineArgs.num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 2 "
+                "(block 0 is the reserved scratch block)"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"EngineArgs.gpu_memory_utilization={self.gpu_memory_utilization} is invalid: "
+                "must be in (0, 1]"
+            )
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"EngineArgs.cpu_kv_cache_gib={self.cpu_kv_cache_gib} must be > 0")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"EngineArgs.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} when chunked prefill is disabled"
+            )
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
+        """Add one ``--flag`` per field (``--max-num-seqs`` for ``max_num_seqs``)."""
+        group = parser.add_argument_group("engine")
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = defaults.get(f.name, f.default)
+            help_ = _HELP.get(f.name, "")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=help_)
+                continue
+            kind = _cli_type(f.type)
+            choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
+                       "attention_backend": ATTENTION_BACKENDS,
+                       "cuda_graph_mode": GRAPH_MODES}.get(f.name)
+            group.add_argument(flag, type=kind, default=default, choices=choices,
+                               help=f"{help_} (default: {default})")
+        return parser
+
+    @staticmethod
+    def from_cli_args(ns: argparse.Namespace) -> EngineArgs:
+        return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+
+def _cli_type(annotation: Any) -> type:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    for arg in get_args(annotation):
+        if arg in (int, float):
+            return arg
+    return str
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"EngineArgs.{name}={value!r} is invalid: choose one of {list(options)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")

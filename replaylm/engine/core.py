@@ -1,0 +1,254 @@
+"""The engine core: requests in, per-step deltas out. ``LLM`` and the server both drive it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+from replaylm.config import EngineArgs
+from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.detokenizer import IncrementalDetokenizer
+from replaylm.engine.model_runner import ModelRunner
+from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.request import Request, RequestStatus
+from replaylm.engine.scheduler import Scheduler
+from replaylm.engine.stats import EngineStats, StepRecord
+from replaylm.model.config import ModelConfig
+from replaylm.model.loader import default_model_weights
+from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
+from replaylm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
+    """Read a directory's config.json, or a named shape's built-in config."""
+    model_dir, shape = resolve_model(model)
+    if shape is not None:
+        return ModelConfig.from_hf(hf_config_from_dict(shape), model), None
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises several types for bad configs
+        raise ValueError(f"unreadable config.json in {path}: {e}") from e
+    cfg = ModelConfig.from_hf(hf, model)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except ValueError as e:
+            raise ValueError(f"unreadable generation_config.json in {path}: {e}") from e
+        if eos is not None:
+            ids = tuple(eos) if isinstance(eos, list) else (eos,)
+            cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(ids + cfg.eos_token_ids)))
+    return cfg, path
+
+
+def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any:
+    if args.skip_tokenizer_init:
+        return None
+    where = args.tokenizer or (str(model_dir) if model_dir is not None else None)
+    if where is None:
+        return None  # a named shape ships no tokenizer: token-id prompts only
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {where}: {e}") from e
+
+
+class EngineCore:
+    """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.model_config, model_dir = load_model_config(args.model)
+        cfg = self.model_config
+        weights_dir = model_dir
+        if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
+            weights_dir = default_model_weights(cfg) if args.load_format != "dummy" else None
+        self.graph_mode = self._resolve_graph_mode(args)
+        self.max_model_len = self._resolve_max_model_len(args, cfg)
+        self.tokenizer = load_tokenizer(args, model_dir)
+        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks)
+        if (self.runner.num_blocks - 1) * self.block_manager.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {(self.runner.num_blocks - 1) * 16} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise the KV cache size or lower max_model_len"
+            )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
+                                 graph_mode=self.graph_mode)
+        self.requests: dict[str, Request] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
+                 cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
+                 self.graph_mode)
+
+    @staticmethod
+    def _resolve_graph_mode(args: EngineArgs) -> str:
+        if args.enforce_eager or args.cuda_graph_mode in (None, "eager"):
+            return "eager"
+        raise ValueError(
+            f"EngineArgs.cuda_graph_mode={args.cuda_graph_mode!r} is not available yet: "
+            "this build runs eager only (use cuda_graph_mode='eager' or enforce_eager=True)"
+        )
+
+    @staticmethod
+    def _resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if args.max_model_len is None:
+            return min(limit, MAX_DEFAULT_MODEL_LEN)
+        if args.max_model_len > limit:
+            raise ValueError(
+                f"EngineArgs.max_model_len={args.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+        return args.max_model_len
+
+    # Requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this engine has no tokenizer (skip_tokenizer_init, or a named shape): "
+                    "pass prompts as lists of token ids"
+                )
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request the engine cannot run; changes nothing."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but max_model_len={self.max_model_len} "
+                "leaves no room for output (prompt must be shorter than max_model_len)"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            ids = self.tokenize(prompt)
+            self.validate(ids, params)
+        except ValueError:
+            self.stats.requests_rejected += 1
+            raise
+        arrival = next(self._arrivals)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else (self.args.seed * 1_000_003 + arrival)
+        req = Request(
+            request_id, ids, params, arrival=arrival, seed=seed,
+            eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        self.requests[request_id] = req
+        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self.scheduler.add(req)
+        self.stats.requests_added += 1
+        self.stats.prompt_tokens += len(ids)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already done."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self.stats.requests_aborted += 1
+        self._forget(request_id)
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.detok.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # The step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule, run one forward pass, sample, and report what changed."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            self._refresh_gauges()
+            return []
+        pending = self.runner.execute(out)
+        sampled = pending.tokens() if pending is not None else []
+        self.stats.record_step(StepRecord(
+            mode="eager", tier=None, real_tokens=out.num_batched_tokens,
+            padded_tokens=out.num_batched_tokens, num_reqs=len(out.scheduled),
+        ))
+        changed = self.scheduler.update(out, sampled)
+        deltas = []
+        for req in changed:
+            deltas.append(self._delta(req))
+        self._refresh_gauges()
+        return deltas
+
+    def _delta(self, req: Request) -> RequestDelta:
+        detok = self.detok[req.request_id]
+        new_ids = req.output_token_ids[len(detok.ids):]
+        text = detok.step(new_ids)
+        finished = req.is_finished
+        if finished:
+            text += detok.flush()
+            self.stats.requests_finished += 1
+            self._forget(req.request_id)
+        self.stats.generated_tokens += len(new_ids)
+        return RequestDelta(req.request_id, new_ids, text, finished, req.status.finish_reason)
+
+    def _refresh_gauges(self) -> None:
+        self.stats.running = self.scheduler.num_running
+        self.stats.waiting = self.scheduler.num_waiting
+        self.stats.kv_blocks_used = self.block_manager.num_used_blocks
+
+    def detokenized_text(self, request_id: str) -> str:
+        d = self.detok.get(request_id)
+        return d.text if d is not None else ""
+
+
+__all__ = ["EngineCore", "RequestStatus"]

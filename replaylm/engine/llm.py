@@ -1,0 +1,129 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from replaylm.config import EngineArgs
+from replaylm.engine.core import EngineCore
+from replaylm.engine.outputs import CompletionOutput, RequestOutput
+from replaylm.engine.stats import EngineStats
+from replaylm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """vLLM-style entry point. Keyword arguments are ``EngineArgs`` fields."""
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = EngineCore(self.engine_args)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        self = cls.__new__(cls)
+        self.engine_args = args
+        self.engine = EngineCore(args)
+        self._ids = itertools.count()
+        return self
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def device(self):
+        return self.engine.runner.device
+
+    @property
+    def dtype(self):
+        return self.engine.runner.dtype
+
+    @property
+    def graph_mode(self) -> str:
+        return self.engine.graph_mode
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        Every prompt is validated before any is queued, so one bad prompt raises
+        ``ValueError`` without leaving the others half-run.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        token_ids = [self.engine.tokenize(p) for p in prompt_list]
+        for i, (ids, sp) in enumerate(zip(token_ids, params)):
+            try:
+                self.engine.validate(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, ids, sp in zip(prompt_list, token_ids, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, sp)
+            outputs[rid] = RequestOutput(
+                rid, prompt if isinstance(prompt, str) else None, ids,
+                [CompletionOutput(0, "", [], None)],
+            )
+            order.append(rid)
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            while self.engine.has_unfinished():
+                for d in self.engine.step():
+                    out = outputs[d.request_id]
+                    comp = out.outputs[0]
+                    comp.token_ids.extend(d.new_token_ids)
+                    comp.text += d.new_text
+                    if d.finished:
+                        comp.finish_reason = d.finish_reason
+                        out.finished = True
+                        bar.update(1)
+        except BaseException:
+            for rid in order:  # leave nothing running (and no blocks held) behind
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [outputs[rid] for rid in order]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str | list | tuple):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, "
+                             f"not {type(p).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+    return sp

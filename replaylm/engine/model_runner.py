@@ -1,0 +1,191 @@
+"""The model runner: owns the model, the KV pool and the per-slot device state; runs steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.attention.torch_ref import TorchAttentionBackend
+from replaylm.config import EngineArgs
+from replaylm.engine.batch import ForwardBatch, build_batch
+from replaylm.engine.request import Request
+from replaylm.engine.scheduler import SchedulerOutput
+from replaylm.model.config import ModelConfig
+from replaylm.model.llama import CausalLM
+from replaylm.model.loader import load_model
+from replaylm.sampling.sampler import SamplingState, sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"EngineArgs.device={name!r} but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    try:
+        from replaylm.attention.triton_backend import TritonAttentionBackend
+    except ImportError as e:
+        if name == "triton":
+            raise ValueError(f"attention_backend='triton' is unavailable: {e}") from e
+        log.warning("Triton attention unavailable (%s); using the torch reference", e)
+        return TorchAttentionBackend()
+    return TritonAttentionBackend()
+
+
+@dataclass
+class PendingStep:
+    """Sampled ids of a launched step; ``tokens()`` waits for the copy to the host."""
+
+    device_tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_tokens.tolist()
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
+                 max_model_len: int) -> None:
+        self.args = args
+        self.cfg = cfg
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
+        t0 = time.perf_counter()
+        self.model: CausalLM = load_model(
+            cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
+        )
+        self.load_seconds = time.perf_counter() - t0
+        self.attn = make_attention_backend(args.attention_backend, self.device)
+        self.sampling = SamplingState(args.max_num_seqs, self.device)
+        self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.model.bind(self.attn, self.kv_caches, max_model_len)
+        if self.device.type == "cuda":
+            self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+
+    # KV pool -------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.cfg.kv_bytes_per_token(self.dtype) * BLOCK_SIZE
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.cfg.num_layers, 2, num_blocks, BLOCK_SIZE, self.cfg.num_kv_heads,
+                 self.cfg.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
+
+    def _decide_num_blocks(self) -> int:
+        args = self.args
+        # More blocks than every slot at full length could ever hold are never used.
+        useful = args.max_num_seqs * self.max_blocks_per_req + 1
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(2, min(useful, int(args.cpu_kv_cache_gib * 2**30) // self.block_bytes))
+        peak = self._profile_activation_peak()
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch_reserved = torch.cuda.memory_reserved(self.device)
+        not_ours = total - free - torch_reserved
+        weights = torch.cuda.memory_allocated(self.device)
+        budget = total * args.gpu_memory_utilization - not_ours - weights - peak
+        blocks = int(budget // self.block_bytes)
+        log.info("KV sizing: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+                 "other %.2f GiB -> %d blocks", total / 2**30, weights / 2**30, peak / 2**30,
+                 not_ours / 2**30, blocks)
+        if blocks < 2:
+            raise ValueError(
+                f"no GPU memory left for the KV cache (weights {weights / 2**30:.2f} GiB, "
+                f"activation peak {peak / 2**30:.2f} GiB): raise gpu_memory_utilization or "
+                "lower max_num_batched_tokens"
+            )
+        return min(blocks, useful)
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Run the largest step once on a throwaway cache; return its activation peak in bytes."""
+        n = min(self.args.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // BLOCK_SIZE) + 1
+        caches = self._allocate_kv(blocks)
+        self.model.bind(self.attn, caches, self.max_model_len)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            kv_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_table=torch.arange(1, blocks, dtype=torch.int32, device=self.device)[None],
+            slot_mapping=torch.arange(BLOCK_SIZE, BLOCK_SIZE + n, device=self.device),
+            num_tokens=n, num_reqs=1, max_q_len=n, max_kv_len=n,
+            cu_seqlens_q_cpu=[0, n], kv_lens_cpu=[n],
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        hidden = self.model(ids, pos, meta)
+        self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # Steps ---------------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> None:
+        """Write a newly slotted request's sampling settings into its slot."""
+        self.sampling.set(req.slot, req.sampling_params, req.seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> PendingStep | None:
+        for req in out.newly_slotted:
+            self.admit(req)
+        batch = build_batch(out, self.last_token, self.max_blocks_per_req, self.device,
+                            host_attn_lengths=not self.attn.graph_safe)
+        return self.run_batch(batch)
+
+    def run_batch(self, batch: ForwardBatch) -> PendingStep | None:
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if not batch.sample_slots_cpu:
+            return None
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        slots = batch.sample_slots_cpu
+        tokens = sample(
+            logits, batch.sample_slots, batch.sample_out_pos, self.sampling,
+            all_greedy=self.sampling.all_greedy(slots),
+            need_filter=self.sampling.needs_filter(slots),
+        )
+        self.last_token.index_copy_(0, batch.sample_slots, tokens)
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return PendingStep(tokens, host, event)
+        return PendingStep(tokens, tokens, None)

@@ -1,0 +1,99 @@
+"""A request as the scheduler sees it: plain data with derived lengths."""
+
+from __future__ import annotations
+
+import enum
+
+from replaylm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from scratch
+    FINISHED_STOPPED = "stop"  # EOS or a stop token
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+class Request:
+    """One generation request.
+
+    ``all_token_ids`` is the prompt followed by the output. ``num_computed_tokens`` counts the
+    leading tokens whose K/V are already in the cache; the scheduler advances it. ``block_ids``
+    are the paged-KV blocks held, in order; ``slot`` is the request's row in the engine's
+    persistent per-request device state (sampling tensors, last sampled token), held while
+    running.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival: int,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int = 16,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.arrival = arrival
+        self.seed = seed
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.slot: int = -1
+        # The slot whose ``last_token`` device entry holds this request's newest output token
+        # (-1: none does, e.g. after a preemption); only then may a step read it from there.
+        self.device_token_slot: int = -1
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)}, slot={self.slot})"
+        )

@@ -1,0 +1,249 @@
+"""The scheduler: one token budget per step, chunked prefill mixed with decode, preemption by
+recompute (vLLM V1 style).
+
+Each step gives a request a contiguous run ``[num_computed_tokens, num_computed_tokens + n)`` of
+its known tokens (prompt + outputs so far). Decode, the rest of a prefill and a recompute after
+preemption are the same thing: tokens whose K/V are not in the cache yet. When the run reaches
+the last known token, the step samples one new token for that request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens from position ``start``."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # request.num_computed_tokens at schedule time
+    sample: bool  # the run reaches the last known token, so the step samples one token
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, in front-packing order, plus the bookkeeping the runner needs."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    newly_slotted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.scheduled if s.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS scheduler over one token budget per step.
+
+    Running requests are served first, in admission order; then waiting requests are admitted
+    FCFS while slots, budget and blocks allow, never overtaking a request that does not fit.
+    When the pool runs out, the most recently admitted running request is preempted: its blocks
+    are freed and it goes back to the front of the queue to be recomputed from scratch.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError(
+                f"Scheduler needs max_num_seqs, max_num_batched_tokens and max_model_len >= 1, "
+                f"got {max_num_seqs}, {max_num_batched_tokens}, {max_model_len}"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # Unsplit prefills of up to max_model_len - 1 tokens must fit one step, or they
+            # would wait forever.
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        usable = block_manager.num_blocks - 1
+        if block_manager.blocks_for(max_model_len) > usable:
+            # A lone request must always fit the pool, or preemption could not make progress.
+            raise ValueError(
+                f"max_model_len={max_model_len} needs "
+                f"{block_manager.blocks_for(max_model_len)} KV blocks but the pool has {usable}"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        # Min-heap: the lowest free slot is reused first, keeping slot ids compact.
+        self._free_slots: list[int] = list(range(max_num_seqs))
+        self._unfinished: dict[str, Request] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` (FCFS). Prompt validation is the engine's job."""
+        assert req.num_prompt_tokens >= 1, f"{req.request_id!r} has an empty prompt"
+        assert req.request_id not in self._unfinished, f"duplicate request id {req.request_id!r}"
+        req.status = RequestStatus.WAITING
+        self._unfinished[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; ``None`` if unknown or already finished."""
+        req = self._unfinished.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish ``req`` with ``status``: free its blocks and slot, drop it from the queues."""
+        assert status.finished, f"finish() needs a finished status, got {status}"
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        self._unfinished.pop(req.request_id, None)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = req.num_tokens - req.num_computed_tokens
+            assert n >= 1, f"{req!r} is running with nothing to compute"
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    i += 1  # an unsplittable prefill waits; later decodes may still fit
+                    continue
+                n = budget
+            while not bm.allocate(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req was the last running request and preempted itself
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+
+        # After a preemption the pool is tight: admitting now would only evict again next step.
+        while self.waiting and budget > 0 and self._free_slots and not out.preempted:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.allocate(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.slot = heapq.heappop(self._free_slots)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.newly_slotted.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """Apply a step's results; returns the requests that got a token or finished."""
+        if len(sampled) != out.num_sampled:
+            raise ValueError(
+                f"update: got {len(sampled)} sampled tokens, expected {out.num_sampled}"
+            )
+        tokens = iter(sampled)
+        changed: list[Request] = []
+        for s in out.scheduled:
+            token = next(tokens) if s.sample else None  # consume in order even when skipping
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted (or otherwise finished) while the step ran
+            assert req.num_computed_tokens == s.start, f"{req!r} moved since scheduled at {s.start}"
+            req.num_computed_tokens += s.num_new_tokens
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.finish(req, status)
+            changed.append(req)
+        return changed
+
+    def check_integrity(self) -> None:
+        """Check slots, statuses and the block pool against the queues (tests, debugging)."""
+        slots = [r.slot for r in self.running]
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max"
+        assert len(set(slots)) == len(slots), f"duplicate slots among running: {slots}"
+        assert all(0 <= s < self.max_num_seqs for s in slots), f"slot out of range: {slots}"
+        assert not set(slots) & set(self._free_slots), "a running slot is also free"
+        assert len(slots) + len(self._free_slots) == self.max_num_seqs, "slots leaked"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING, f"{r!r} in running"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r!r} waiting"
+            assert r.slot == -1, f"waiting {r!r} holds a slot"
+        self.block_manager.check_integrity([*self.running, *self.waiting])
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, n, start, sample=start + n == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute, not swap: the request keeps its outputs and recomputes all known tokens.
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.block_manager.free(req)
+        if req.slot >= 0:
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = -1
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if (token in req.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

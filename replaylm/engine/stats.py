@@ -1,0 +1,48 @@
+"""The engine's counters, in one object (logged, returned by ``LLM.stats()``, exported)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    mode: str
+    tier: int | None
+    real_tokens: int
+    padded_tokens: int
+    num_reqs: int
+    fallback_reason: str | None = None
+
+
+@dataclass
+class EngineStats:
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    graph_mode: str = "eager"
+    steps_by_mode: dict[str, int] = field(default_factory=dict)
+    last_step: StepRecord | None = None
+
+    def record_step(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.steps_by_mode[rec.mode] = self.steps_by_mode.get(rec.mode, 0) + 1
+        self.last_step = rec
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / max(1, self.kv_blocks_total)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["kv_usage"] = round(self.kv_usage, 4)
+        return d

@@ -1,0 +1,334 @@
+"""Paged, varlen, causal attention over the front-packed batch, in Triton.
+
+One launch serves any mix of prefill chunks (over a cached prefix), single-token decodes,
+multi-token verify rows, padded tokens and empty request slots, and never reads a length on
+the host, so a CUDA graph can capture it.
+
+Work decomposition (graph safe: the grid depends only on the padded token count ``T``, the
+slot count ``S`` and head counts):
+
+* A program owns one *tile* of ``BQ`` consecutive query tokens of one request and one KV
+  head. The query heads sharing that KV head (the GQA group, padded to ``G_PAD``) are
+  stacked into the tile's rows, so ``BLOCK_M = BQ * G_PAD`` and every K/V block is read once
+  per group instead of once per query head.
+* Request ``i`` owns tiles ``tile_start[i] .. tile_start[i+1]`` where
+  ``tile_start[i] = cu_seqlens_q[i] // BQ + i``. That gives every request at least
+  ``ceil(q_len / BQ)`` tiles and bounds the total by ``T // BQ + S``, a host-known number.
+  A program finds its request by counting ``tile_start[i] <= tile`` on device; surplus
+  tiles exit at once.
+* One extra tile per grid (``+1``) lets the "sink" tiles past ``tile_start[S]`` zero the
+  rows of padded tokens ``cu_seqlens_q[S] .. T``, so padded rows are deterministic (a graph
+  check comparing replay against eager sees identical buffers) and never NaN.
+* Split-KV (flash-decoding): a third grid axis of fixed size ``num_splits`` cuts each
+  request's context into equal BLOCK_N-aligned ranges; programs write un-normalised partial
+  outputs plus their running max / sum, and :func:`_combine_kernel` merges them. The split
+  count comes from host-known sizes only, so a graph tier always picks the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.attention.backend import BLOCK_SIZE
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 32  # upper bound on the split-KV axis; the combine kernel is compiled for it
+_SEARCH_CHUNK = 128  # request slots examined per step of the on-device tile lookup
+
+
+@triton.jit
+def _lookup_request(cu_q_ptr, tile, num_reqs, BQ: tl.constexpr, CHUNK: tl.constexpr):
+    """Index ``i`` of the last slot with ``cu_seqlens_q[i] // BQ + i <= tile`` (``num_reqs``
+    when the tile lies past every request, i.e. in the padding sink)."""
+    count = 0
+    for s0 in range(0, num_reqs + 1, CHUNK):
+        idx = s0 + tl.arange(0, CHUNK)
+        ok = idx <= num_reqs
+        cu = tl.load(cu_q_ptr + idx, mask=ok, other=0)
+        hit = ok & ((cu // BQ + idx) <= tile)
+        count += tl.sum(hit.to(tl.int32), axis=0)
+    return count - 1
+
+
+@triton.jit
+def _attn_step(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos,
+               offs_d, stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
+               BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """Fold keys ``start .. start+BLOCK_N`` into the online softmax.
+
+    ``MASKED`` is False on the fully visible prefix of the tile, which saves the causal /
+    range mask and the -inf guards on most iterations of a long prefill.
+    """
+    keys = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        kmask = keys < hi
+        blk = tl.load(bt_row_ptr + keys // PAGE, mask=kmask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + keys // PAGE).to(tl.int64)
+    in_blk = (keys % PAGE).to(tl.int64)
+    k_ptrs = k_cache_ptr + (blk * stride_kb + in_blk * stride_ks)[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + (blk * stride_vb + in_blk * stride_vs)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+    if MASKED:
+        visible = (keys[None, :] <= q_pos[:, None]) & kmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row may see no key in this block (e.g. a split range past its causal bound);
+        # shifting by 0 instead of -inf keeps exp2 from producing NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "stride_bt"])
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    cu_q_ptr, kv_lens_ptr, block_table_ptr,
+    sm_scale_log2, num_tokens, num_reqs, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BQ * G_PAD
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _lookup_request(cu_q_ptr, tile, num_reqs, BQ, CHUNK)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kvh * GROUP + rows % G_PAD
+    head_ok = (rows % G_PAD) < GROUP
+
+    if req >= num_reqs:
+        # Padding sink: zero the rows of tokens that belong to no request. In split mode the
+        # combine kernel does this instead.
+        if not IS_SPLIT:
+            total = tl.load(cu_q_ptr + num_reqs)
+            tok = (total // BQ + (tile - (total // BQ + num_reqs))) * BQ + rows // G_PAD
+            ok = (tok >= total) & (tok < num_tokens) & head_ok
+            o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            zero = tl.zeros([BLOCK_M, HEAD_DIM], dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zero, mask=ok[:, None])
+        return
+
+    q_start = tl.load(cu_q_ptr + req)
+    q_len = tl.load(cu_q_ptr + req + 1) - q_start
+    j = tile - (q_start // BQ + req)
+    if j * BQ >= q_len:
+        return
+    kv_len = tl.load(kv_lens_ptr + req)
+    ctx_start = kv_len - q_len  # absolute position of the request's first new token
+
+    tok_local = j * BQ + rows // G_PAD
+    row_ok = (tok_local < q_len) & head_ok
+    q_pos = ctx_start + tok_local
+    tok = (q_start + tok_local).to(tl.int64)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    min_pos = ctx_start + j * BQ
+    hi = tl.minimum(min_pos + BQ, kv_len)  # keys the tile's last row can see
+    lo = 0
+    if IS_SPLIT:
+        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(hi, lo + per)
+    # Keys below min_pos + 1 are visible to every row of the tile: no mask needed there.
+    full_hi = lo + tl.maximum(tl.minimum(hi, min_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
+
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_off_k = kvh * stride_kh
+    kv_off_v = kvh * stride_vh
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_cache_ptr + kv_off_k, v_cache_ptr + kv_off_v,
+                                   bt_row_ptr, start, hi, q_pos, offs_d,
+                                   stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
+                                   BLOCK_N, PAGE, False)
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, k_cache_ptr + kv_off_k, v_cache_ptr + kv_off_v,
+                                   bt_row_ptr, start, hi, q_pos, offs_d,
+                                   stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
+                                   BLOCK_N, PAGE, True)
+
+    if IS_SPLIT:
+        # Partials are [T, Hq, num_splits, D] (un-normalised) and [T, Hq, num_splits, 2] (m, l).
+        part_row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split
+        po_ptrs = part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(po_ptrs, acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _combine_kernel(
+    out_ptr, part_o_ptr, part_ml_ptr, cu_q_ptr, num_reqs, num_splits,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_S: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+    total = tl.load(cu_q_ptr + num_reqs)
+    if tok >= total:
+        tl.store(o_ptrs, tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
+        return
+    sp = tl.arange(0, MAX_S)
+    sp_ok = sp < num_splits
+    row = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits + sp
+    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_use)
+    denom = tl.sum(w * l, axis=0)
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile shape and launch parameters of one attention kernel variant."""
+
+    block_m: int  # rows per tile = query tokens per tile x padded GQA group
+    block_n: int  # keys per inner iteration (a multiple of the 16-token page)
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def group_pad(num_heads: int, num_kv_heads: int) -> int:
+    """The GQA group padded to a power of two (the tile stacks this many heads per token)."""
+    return _next_pow2(num_heads // num_kv_heads)
+
+
+def pick_config(max_q_len: int, g_pad: int, head_dim: int) -> AttnConfig:
+    """Tile configuration from host-known bounds only (deterministic for a graph tier).
+
+    Decode / verify launches (a few tokens per request) take a small tile so no work is
+    wasted on absent query rows; anything larger takes the prefill tile.
+    """
+    small_m = max(16, g_pad * _next_pow2(max(1, max_q_len)))
+    if small_m <= 64:
+        return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=3)
+    block_m = max(128, g_pad)
+    if head_dim <= 64:
+        return AttnConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=3)
+    return AttnConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=3)
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len: int,
+                    max_kv_len: int, block_n: int) -> int:
+    """Split-KV factor from host-known sizes: split only when few (request, KV head) pairs
+    would leave most SMs idle over a long context. Deterministic for fixed tier bounds."""
+    if max_q_len > 16 or max_kv_len < 4 * block_n:
+        return 1
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    programs = max(1, num_reqs * num_kv_heads)
+    if programs >= sms:
+        return 1
+    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_kv_len, 4 * block_n))
+    return max(1, splits)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    max_kv_len: int,
+    num_splits: int | None = None,
+    config: AttnConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged varlen attention of the packed batch; returns ``[T, Hq, D]``.
+
+    ``q``: ``[T, Hq, D]`` (any row/head strides, contiguous last dim); caches
+    ``[num_blocks, 16, Hkv, D]``; ``cu_seqlens_q`` ``[S+1]`` int32, ``kv_lens`` ``[S]`` int32,
+    ``block_table`` ``[S, max_blocks]`` int32, all on the device. ``max_q_len`` /
+    ``max_kv_len`` are host upper bounds; they pick the kernel variant and the split count
+    (``num_splits`` overrides the latter), never the grid's request lookup. Rows of padded
+    tokens come back as zeros. No host sync.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_reqs = kv_lens.shape[0]
+    assert k_cache.shape[1] == BLOCK_SIZE and num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    g_pad = _next_pow2(group)
+    cfg = config or pick_config(max_q_len, g_pad, head_dim)
+    bq = cfg.block_m // g_pad
+    if num_splits is None:
+        num_splits = pick_num_splits(q, num_reqs, num_kv_heads, max_q_len, max_kv_len, cfg.block_n)
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    is_split = num_splits > 1
+    if is_split:
+        part_o = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device,
+                             dtype=torch.float32)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, device=q.device,
+                              dtype=torch.float32)
+    else:
+        part_o = part_ml = out  # unused
+    grid = (num_tokens // bq + num_reqs + 1, num_kv_heads, num_splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_ml,
+        cu_seqlens_q, kv_lens, block_table,
+        scale * LOG2E, num_tokens, num_reqs, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        GROUP=group, G_PAD=g_pad, BQ=bq, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
+        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, CHUNK=_SEARCH_CHUNK,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if is_split and num_tokens > 0:
+        _combine_kernel[(num_tokens, num_heads)](
+            out, part_o, part_ml, cu_seqlens_q, num_reqs, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, MAX_S=MAX_SPLITS, num_warps=4,
+        )
+    return out

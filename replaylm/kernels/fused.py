@@ -1,0 +1,286 @@
+"""Fused decode-path kernels, each with the torch reference it must match beside it.
+
+The kernels round intermediate values to the model dtype exactly where transformers'
+Llama/Qwen modules do (RMSNorm output before the weight multiply, each rotary product, the
+SiLU output), so on the GPU they agree with the torch path to the last bit or one ulp rather
+than merely "within tolerance".
+
+* :func:`fused_add_rmsnorm` — ``residual += x`` then RMSNorm, one read of each input.
+* :func:`silu_and_mul` — ``silu(gate) * up`` on the packed ``[T, 2I]`` gate_up output.
+* :func:`rotary` — neox rotary on q and k, optionally preceded by Qwen3's per-head q/k
+  RMSNorm and followed by the KV-cache write of k and v (one launch for the whole
+  post-projection part of the "before" segment).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.attention.backend import BLOCK_SIZE
+
+# --------------------------------------------------------------------------- references
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: ``new_residual = x + residual`` (or ``x``), ``normed = rmsnorm(it)``."""
+    new_residual = x if residual is None else x + residual
+    r32 = new_residual.float()
+    normed = (r32 * torch.rsqrt(r32.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, new_residual
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Torch reference: ``silu(gate_up[:, :I]) * gate_up[:, I:]``."""
+    inter = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def _head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    table = cos_sin[positions.long()].to(x.dtype)[:, None, :]
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`rotary` (same arguments, same results)."""
+    if q_norm_weight is not None:
+        q = _head_rmsnorm_ref(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = _head_rmsnorm_ref(k, k_norm_weight, eps)
+    q_out, k_out = _rope_ref(q, positions, cos_sin), _rope_ref(k, positions, cos_sin)
+    if k_cache is not None:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        hkv, d = k_cache.shape[-2:]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, hkv, d)[slots] = k_out[keep].to(k_cache.dtype)
+        v_cache.view(-1, hkv, d)[slots] = v[keep].to(v_cache.dtype)
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, num_tokens, eps,
+    stride_x, stride_r, stride_o, stride_nr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # The sum is rounded to the model dtype first: that is the residual the next layer
+        # reads, and the torch path normalises the rounded value too.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(new_res_ptr + row * stride_nr + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (``x`` when ``residual`` is None, the first layer),
+    ``normed = weight * rmsnorm(new_residual)``; returns ``(normed, new_residual)``.
+
+    ``x``/``residual``: ``[T, H]`` with a contiguous last dim; outputs are fresh tensors.
+    """
+    num_tokens, hidden = x.shape
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return normed, new_res
+    res = x if residual is None else residual
+    block = triton.next_power_of_2(hidden)
+    _add_rmsnorm_kernel[(num_tokens,)](
+        x, res, weight, normed, new_res, num_tokens, eps,
+        x.stride(0), res.stride(0), normed.stride(0), new_res.stride(0),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return normed, new_res
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _silu_mul_kernel(gu_ptr, out_ptr, num_tokens, stride_gu, stride_o,
+                     INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + INTER + cols, mask=mask, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate is the first half); returns ``[T, I]``."""
+    num_tokens, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(num_tokens, inter, device=gate_up.device, dtype=gate_up.dtype)
+    if num_tokens == 0:
+        return out
+    assert gate_up.stride(-1) == 1
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        gate_up, out, num_tokens, gate_up.stride(0), out.stride(0),
+        INTER=inter, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, out_ptr, w_ptr, cos, sin, tok, stride_xt, stride_xh, stride_ot,
+                     stride_oh, eps, NUM: tl.constexpr, NUM_PAD: tl.constexpr,
+                     HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Normalise (optionally) and rotate all heads of one token; returns the rotated halves."""
+    h = tl.arange(0, NUM_PAD)
+    d = tl.arange(0, HALF)
+    mask = (h < NUM)[:, None]
+    base = x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        a = ((a * rstd[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
+        b = ((b * rstd[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
+    # Each product is rounded to the model dtype as the torch path (cos/sin cast to it) does.
+    o1 = (a * cos[None, :]).to(dt).to(tl.float32) - (b * sin[None, :]).to(dt).to(tl.float32)
+    o2 = (b * cos[None, :]).to(dt).to(tl.float32) + (a * sin[None, :]).to(dt).to(tl.float32)
+    obase = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(obase, o1.to(dt), mask=mask)
+    tl.store(obase + HALF, o2.to(dt), mask=mask)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _rotary_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cs_row = cs_ptr + pos * stride_cs
+    cos = tl.load(cs_row + d)
+    sin = tl.load(cs_row + HALF + d)
+    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
+    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
+    _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, cos, sin, tok, stride_qt, stride_qh, stride_qot,
+                     stride_qoh, eps, HQ, HQ_PAD, HALF, HAS_NORM)
+    k1, k2 = _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, stride_kt, stride_kh,
+                              stride_kot, stride_koh, eps, HKV, HKV_PAD, HALF, HAS_NORM)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:
+            h = tl.arange(0, HKV_PAD)
+            mask = (h < HKV)[:, None]
+            blk = slot // PAGE
+            off = slot % PAGE
+            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            vsrc = v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :]
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+            tl.store(vc, tl.load(vsrc, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc + HALF, tl.load(vsrc + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty),
+                     mask=mask)
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary (HF Llama ``rotate_half``) on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``.
+
+    ``cos_sin`` is the fp32 ``[max_pos, D]`` table of ``replaylm.model.config.rope_cos_sin``
+    (cos in the first half, sin in the second); ``positions`` ``[T]`` index it. With
+    ``q_norm_weight``/``k_norm_weight`` (``[D]``, Qwen3) each head is RMS-normalised first.
+    With ``k_cache``/``v_cache``/``slot_mapping`` (and ``v``) the rotated k and v are also
+    stored into the paged cache (slot < 0 skips). Inputs may be strided views of the qkv
+    output (contiguous last dim); returns fresh contiguous ``(q_out, k_out)``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert head_dim % 2 == 0 and k.shape[2] == head_dim and cos_sin.shape[1] == head_dim
+    assert (q_norm_weight is None) == (k_norm_weight is None)
+    q_out = torch.empty(num_tokens, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    k_out = torch.empty(num_tokens, num_kv_heads, head_dim, device=k.device, dtype=k.dtype)
+    if num_tokens == 0:
+        return q_out, k_out
+    write_kv = k_cache is not None
+    if write_kv:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        assert k_cache.shape[1] == BLOCK_SIZE
+        kc, vc, vv, sm = k_cache, v_cache, v, slot_mapping
+    else:
+        kc, vc, vv, sm = k_out, k_out, k, positions  # dummies, never touched
+    has_norm = q_norm_weight is not None
+    qw = q_norm_weight if has_norm else cos_sin
+    kw = k_norm_weight if has_norm else cos_sin
+    kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if write_kv else (0, 0, 0)
+    vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if write_kv else (0, 0, 0)
+    _rotary_kernel[(num_tokens,)](
+        q, k, vv, positions, cos_sin, qw, kw, q_out, k_out, kc, vc, sm, num_tokens, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
+        *kc_strides, *vc_strides,
+        HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads), HKV=num_kv_heads,
+        HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
+        HAS_NORM=has_norm, WRITE_KV=write_kv, PAGE=BLOCK_SIZE,
+        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+    )
+    return q_out, k_out

@@ -1,0 +1,127 @@
+"""The model facts the engine needs, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def from_hf(hf: Any, name: str) -> ModelConfig:
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or getattr(hf, 'model_type', '?')!r} in {name}: "
+                f"replaylm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = hf.num_attention_heads
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+        scaling = getattr(hf, "rope_scaling", None) if not rope else rope
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        eos = getattr(hf, "eos_token_id", None)
+        return ModelConfig(
+            name=name,
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=_as_tuple(eos),
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) * self.qkv_bias
+        per_layer = qkv + self.q_size * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+    def weight_bytes(self, dtype: torch.dtype) -> int:
+        return self.num_params * torch.empty((), dtype=dtype).element_size()
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_size * torch.empty((), dtype=dtype).element_size()
+
+
+def _as_tuple(x: Any) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(int(t) for t in x) if isinstance(x, list | tuple) else (int(x),)
+
+
+def rope_cos_sin(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+    """A ``[max_positions, head_dim]`` fp32 table: cos in the first half, sin in the second."""
+    # fp32 throughout, as transformers computes it, so positions round identically.
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling {kind!r}: replaylm supports default, linear, llama3")
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short ones kept,
+    # a smooth blend between the two thresholds.
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+    return torch.where(mid, blended, out)

@@ -1,0 +1,148 @@
+"""Llama 2/3/3.x, Qwen2/2.5 and Qwen3 decoders, written as a chain that graphs can cut.
+
+Each layer splits at attention into a dense "before" part (residual add + norm, fused qkv,
+q/k norm, rotary, KV write) and a dense "after" part (o_proj, residual add + norm, gate/up,
+SiLU-and-mul, down). The model is then
+
+    embed → before₀ → attn₀ → after₀+before₁ → attn₁ → … → after_{L-1} + final norm
+
+and ``forward`` runs exactly these links in order: ``first_link``, then per layer
+``attention`` and ``link`` (the last link is ``final_link``). A piecewise graph captures each
+dense link; a full graph captures the whole of ``forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replaylm.attention.backend import AttentionBackend, AttentionMetadata
+from replaylm.model import ops
+from replaylm.model.config import ModelConfig, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def before(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``."""
+        cfg = self.cfg
+        x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
+        q = ops.apply_rotary(q, positions, cos_sin)
+        k = ops.apply_rotary(k, positions, cos_sin)
+        attn.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        return q, residual
+
+    def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
+        hidden = self.o_proj(attn_out.flatten(1))
+        x, residual = ops.add_rms_norm(
+            hidden, residual, self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
+        )
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+
+
+class CausalLM(nn.Module):
+    """The decoder plus LM head. KV caches and the attention backend are bound by the runner."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False
+        )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.attn: AttentionBackend | None = None
+        self.cos_sin: torch.Tensor | None = None
+        self.scale = cfg.head_dim**-0.5
+
+    def bind(
+        self,
+        attn: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_positions: int,
+    ) -> None:
+        """Attach the attention backend, the per-layer caches and the rotary table."""
+        assert len(kv_caches) == self.cfg.num_layers
+        self.attn = attn
+        self.kv_caches = kv_caches
+        self.cos_sin = rope_cos_sin(self.cfg, max_positions, self.embed_tokens.weight.device)
+
+    # The dense links of the chain ------------------------------------------------------------
+
+    def first_link(self, input_ids, positions, meta: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)
+        return self._before(0, hidden, None, positions, meta)
+
+    def link(self, i: int, attn_out, residual, positions, meta: AttentionMetadata):
+        """after_i + before_{i+1}."""
+        hidden, residual = self.layers[i].after(attn_out, residual)
+        return self._before(i + 1, hidden, residual, positions, meta)
+
+    def final_link(self, attn_out, residual) -> torch.Tensor:
+        hidden, residual = self.layers[-1].after(attn_out, residual)
+        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
+
+    def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[i]
+        return self.attn.forward(q, k_cache, v_cache, meta, self.scale)
+
+    def _before(self, i, hidden, residual, positions, meta):
+        return self.layers[i].before(
+            hidden, residual, positions, self.cos_sin, self.kv_caches[i], meta.slot_mapping,
+            self.attn,
+        )
+
+    # Whole model ----------------------------------------------------------------------------
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, for every packed token."""
+        q, residual = self.first_link(input_ids, positions, meta)
+        last = self.cfg.num_layers - 1
+        for i in range(last):
+            q, residual = self.link(i, self.attention(i, q, meta), residual, positions, meta)
+        return self.final_link(self.attention(last, q, meta), residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

@@ -1,0 +1,40 @@
+"""Dense ops of the decoder, as torch references.
+
+The numerics follow transformers' Llama/Qwen modules (RMSNorm in fp32, rotary in the model
+dtype) so fp32 runs match the reference exactly and bf16 runs within tolerance. On CUDA the
+model may swap in fused Triton kernels with the same signatures (``replaylm.kernels.fused``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` then normalise; returns ``(normed, new_residual)``."""
+    residual = x if residual is None else residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary on ``[T, H, D]`` (rotate the two halves), as HF Llama does."""
+    half = x.shape[-1] // 2
+    cs = cos_sin[positions].to(x.dtype)  # [T, D]: cos | sin, each D/2
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

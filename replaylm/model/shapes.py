@@ -1,0 +1,134 @@
+"""Named model shapes: the public HF configs of the benchmark models, so runs need no checkpoint.
+
+A named shape plus ``load_format="dummy"`` gives a model with random weights of exactly the
+size and layout of the real one; decode speed does not depend on weight values.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+DEFAULT_MODEL_DIR: str = str(Path(__file__).resolve().parent.parent / "assets" / "default")
+
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "llama3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def resolve_model(name_or_dir: str) -> tuple[str | None, dict[str, Any] | None]:
+    """Map ``--model`` to ``(directory, None)`` or ``(None, config_dict)``.
+
+    An existing directory wins over a shape of the same name, so a local checkpoint called
+    ``llama3-8b`` is never silently replaced by random weights. ``"default"`` is the built-in
+    tiny model shipped in ``assets/default``. The returned dict is a copy the caller may mutate.
+    """
+    if Path(name_or_dir).is_dir():
+        return str(Path(name_or_dir)), None
+    if name_or_dir == "default":
+        return DEFAULT_MODEL_DIR, None
+    key = name_or_dir.lower()
+    if key in NAMED_SHAPES:
+        return None, copy.deepcopy(NAMED_SHAPES[key])
+    names = ", ".join(["default", *NAMED_SHAPES])
+    raise FileNotFoundError(
+        f"model {name_or_dir!r} is neither an existing directory nor a named shape "
+        f"(named shapes: {names})"
+    )
+
+
+def hf_config_from_dict(d: dict[str, Any]) -> PretrainedConfig:
+    """Build the transformers config class for ``d["model_type"]`` from a config dict.
+
+    transformers 5 keeps RoPE settings in ``rope_parameters`` (``rope_theta`` included);
+    the legacy ``rope_scaling`` key is folded into it here so the result does not depend
+    on how a given transformers version converts old-style configs.
+    """
+    rest = {k: v for k, v in d.items() if k != "model_type"}
+    scaling = rest.pop("rope_scaling", None)
+    if "rope_parameters" not in rest:
+        params: dict[str, Any] = {"rope_type": "default"}
+        if scaling:
+            params = dict(scaling)
+            # Older configs spell the key "type".
+            params.setdefault("rope_type", params.pop("type", "default"))
+        if "rope_theta" in rest:
+            params["rope_theta"] = rest["rope_theta"]
+        rest["rope_parameters"] = params
+    dtype = rest.pop("torch_dtype", None)
+    if dtype is not None:
+        rest.setdefault("dtype", dtype)
+    return AutoConfig.for_model(d["model_type"], **rest)

@@ -1,0 +1,5 @@
+"""On-device, graph-capturable token sampling."""
+
+from replaylm.sampling.sampler import SamplingState, sample
+
+__all__ = ["SamplingState", "sample"]

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random transformers checkpoints written with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep the built-in default model's weight cache inside the test session.
+os.environ.setdefault("REPLAYLM_CACHE", str(Path(__file__).parent / ".." / ".cache" / "test"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = {
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_theta=500000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=256, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def make_checkpoint(kind: str, path: Path, seed: int = 0, dtype=torch.float32, **overrides):
+    """Write a random-weight HF checkpoint; returns the transformers model (eval, fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_kwargs = dict(TINY[kind], **overrides)
+    model_type = cfg_kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)  # non-trivial norms catch a missing weight
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=sorted(TINY))
+def tiny_checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = make_checkpoint(request.param, path)
+    return request.param, path, model

@@ -1,0 +1,260 @@
+"""Triton kernels vs their torch references, on CPU through the Triton interpreter (fp32).
+
+Triton picks the interpreter when ``triton`` itself is imported (``tl.sum`` & co. are jitted
+then) and when each kernel is decorated, so ``TRITON_INTERPRET=1`` must be set before the
+first ``import triton``. This module sets it when it is the first to import Triton on a
+machine without CUDA (importing torch first is fine: torch does not import Triton). If
+Triton was already imported without the interpreter (another test module got there first, or
+a CUDA machine, where the GPU tests need compiled kernels), the tests here skip and one test
+reruns this file in a fresh interpreter-mode subprocess instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+_CHILD_FLAG = "REPLAYLM_KERNEL_TESTS_CHILD"
+if "triton" not in sys.modules and (os.environ.get(_CHILD_FLAG) or not torch.cuda.is_available()):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata  # noqa: E402
+from replaylm.attention.torch_ref import attention_ref  # noqa: E402
+
+IN_PROCESS = isinstance(triton.language.sum, InterpretedFunction)
+_MODULES = ("replaylm.kernels.attention", "replaylm.kernels.kv_write", "replaylm.kernels.fused")
+
+
+def test_interpreter_suite_in_subprocess():
+    """Fallback when Triton was imported compiled-mode before this module: rerun it fresh."""
+    if IN_PROCESS:
+        pytest.skip("interpreter active in this process; tests run directly")
+    env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_FLAG: "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def _index_shim():
+    """Triton 3.6's interpreter turns a scalar into ``int(array_of_shape_1)``, which numpy
+    >= 2.4 refuses, so kernels with runtime loop bounds fail; patch in a 0-d conversion.
+    Returns an undo callable."""
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    return lambda: setattr(interpreter, "_patch_lang_tensor", orig)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not IN_PROCESS:
+        pytest.skip("Triton was imported without the interpreter; see the subprocess test")
+    undo_shim = _index_shim()
+    mods = []
+    for name in _MODULES:
+        mod = importlib.import_module(name)
+        probe = next(v for k, v in vars(mod).items() if k.endswith("_kernel"))
+        if not isinstance(probe, InterpretedFunction):  # imported before the interpreter
+            mod = importlib.reload(mod)
+        mods.append(mod)
+    from replaylm.attention.triton_backend import TritonAttentionBackend
+
+    attn, kvw, fused = mods
+    yield SimpleNamespace(attn=attn, kvw=kvw, fused=fused, backend=TritonAttentionBackend())
+    undo_shim()
+
+
+def make_batch(q_lens, kv_lens, *, hq, hkv, d, pad_tokens=0, pad_slots=0, seed=0,
+               dtype=torch.float32, device="cpu"):
+    """A front-packed, padded batch with a randomly paged cache (block 0 left as scratch)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in kv_lens]
+    num_blocks = 1 + sum(blocks_per)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    max_blocks = max(blocks_per + [1])
+    s = len(q_lens) + pad_slots
+    block_table = torch.zeros(s, max_blocks, dtype=torch.int32)
+    for i, nb in enumerate(blocks_per):
+        block_table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    t_real = sum(q_lens)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    cu += [t_real] * pad_slots
+    kv = list(kv_lens) + [0] * pad_slots
+    q = torch.randn(t_real + pad_tokens, hq, d, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        kv_lens=torch.tensor(kv, dtype=torch.int32, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.zeros(t_real + pad_tokens, dtype=torch.int64, device=device),
+        num_tokens=t_real + pad_tokens, num_reqs=s,
+        max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+        cu_seqlens_q_cpu=cu, kv_lens_cpu=kv,
+    )
+    return q.to(device), k_cache.to(device), v_cache.to(device), meta
+
+
+def run_attn(kernels, q, kc, vc, meta, **kw):
+    return kernels.attn.paged_attention(
+        q, kc, vc, meta.cu_seqlens_q, meta.kv_lens, meta.block_table, q.shape[-1] ** -0.5,
+        max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, **kw,
+    )
+
+
+def check_attn(out, q, kc, vc, meta, atol=2e-5):
+    ref = attention_ref(q, kc, vc, meta.cu_seqlens_q_cpu, meta.kv_lens_cpu, meta.block_table,
+                        q.shape[-1] ** -0.5)
+    t_real = meta.cu_seqlens_q_cpu[-1]
+    torch.testing.assert_close(out[:t_real], ref[:t_real], atol=atol, rtol=1e-4)
+    # Padded tokens come back as zeros (deterministic, never NaN).
+    assert torch.all(out[t_real:] == 0)
+
+
+# A prefill chunk over a cached prefix, single-token decodes at block boundaries, a verify
+# row, then padded tokens and empty request slots: everything one graph launch must handle.
+MIXED_Q = [20, 1, 1, 1, 4, 1]
+MIXED_KV = [33, 15, 16, 17, 37, 1]
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+def test_mixed_batch(kernels, hq, hkv):
+    q, kc, vc, meta = make_batch(MIXED_Q, MIXED_KV, hq=hq, hkv=hkv, d=32, pad_tokens=3,
+                                 pad_slots=2)
+    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=1), q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 32), (128, 64)])
+def test_tile_shapes(kernels, block_m, block_n):
+    """Every tile height the config picker can choose, incl. the prefill tile, on one batch."""
+    q, kc, vc, meta = make_batch(MIXED_Q, MIXED_KV, hq=8, hkv=2, d=16, pad_tokens=5,
+                                 pad_slots=1, seed=1)
+    cfg = kernels.attn.AttnConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=1)
+    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=1, config=cfg), q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("kv_len", [15, 16, 17, 33])
+def test_block_boundaries(kernels, kv_len):
+    q_lens = [1, kv_len, 3]
+    q, kc, vc, meta = make_batch(q_lens, [kv_len] * 3, hq=4, hkv=1, d=64, seed=kv_len)
+    check_attn(run_attn(kernels, q, kc, vc, meta), q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("hq,hkv,splits", [(2, 2, 3), (8, 2, 4), (4, 1, 32)])
+def test_split_kv(kernels, hq, hkv, splits):
+    """Flash-decoding path: decodes, a verify row and a short request (empty splits)."""
+    q, kc, vc, meta = make_batch([1, 4, 1, 1], [200, 150, 5, 64], hq=hq, hkv=hkv, d=32,
+                                 pad_tokens=2, pad_slots=1, seed=splits)
+    cfg = kernels.attn.AttnConfig(block_m=16 * (hq // hkv), block_n=16, num_warps=4,
+                                  num_stages=1)
+    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg),
+               q, kc, vc, meta)
+
+
+def test_split_choice_is_host_only(kernels):
+    q = torch.zeros(1, 32, 128)
+    pick = kernels.attn.pick_num_splits
+    assert pick(q, num_reqs=1, num_kv_heads=8, max_q_len=1, max_kv_len=32768, block_n=64) > 1
+    assert pick(q, num_reqs=64, num_kv_heads=8, max_q_len=1, max_kv_len=32768, block_n=64) == 1
+    assert pick(q, num_reqs=1, num_kv_heads=8, max_q_len=512, max_kv_len=32768, block_n=64) == 1
+
+
+def test_backend_forward_and_warmup(kernels):
+    backend = kernels.backend
+    assert backend.name == "triton" and backend.graph_safe
+    backend.warmup(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                   device=torch.device("cpu"))
+    q, kc, vc, meta = make_batch(MIXED_Q, MIXED_KV, hq=4, hkv=2, d=16, pad_tokens=2,
+                                 pad_slots=2, seed=7)
+    check_attn(backend.forward(q, kc, vc, meta, 16**-0.5), q, kc, vc, meta)
+
+
+def test_write_kv(kernels):
+    from replaylm.attention.torch_ref import write_kv_ref
+
+    g = torch.Generator().manual_seed(3)
+    t, hkv, d = 7, 3, 16
+    qkv = torch.randn(t, (4 + 2 * hkv) * d, generator=g)
+    k = qkv[:, 4 * d:(4 + hkv) * d].view(t, hkv, d)  # strided view, as the model passes it
+    v = qkv[:, (4 + hkv) * d:].view(t, hkv, d)
+    slots = torch.tensor([17, 18, 40, 3, 0, 0, 63], dtype=torch.int64)  # last 2 padded → block 0
+    caches = [torch.zeros(4, BLOCK_SIZE, hkv, d) for _ in range(4)]
+    kernels.backend.write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0][1:], caches[2][1:], rtol=0, atol=0)
+    torch.testing.assert_close(caches[1][1:], caches[3][1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rmsnorm(kernels, with_residual):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 48, generator=g)
+    res = torch.randn(5, 48, generator=g) if with_residual else None
+    w = torch.randn(48, generator=g)
+    out, new_res = kernels.fused.fused_add_rmsnorm(x, res, w, 1e-6)
+    ref_out, ref_res = kernels.fused.fused_add_rmsnorm_ref(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out)
+
+
+def test_silu_and_mul(kernels):
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(kernels.fused.silu_and_mul(gate_up),
+                               kernels.fused.silu_and_mul_ref(gate_up))
+
+
+def _rope_table(max_pos: int, d: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("qk_norm,write", [(False, False), (True, False), (True, True)])
+def test_rotary(kernels, qk_norm, write):
+    g = torch.Generator().manual_seed(6)
+    t, hq, hkv, d = 5, 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    positions = torch.tensor([0, 7, 8, 30, 2])
+    cos_sin = _rope_table(32, d)
+    kw = {}
+    if qk_norm:
+        kw.update(q_norm_weight=torch.randn(d, generator=g), k_norm_weight=torch.randn(d, generator=g),
+                  eps=1e-6)
+    caches = [torch.zeros(3, BLOCK_SIZE, hkv, d) for _ in range(4)]
+    slots = torch.tensor([16, 17, 40, -1, 0])
+    out = kernels.fused.rotary(q, k, positions, cos_sin, **kw,
+                               **(dict(v=v, k_cache=caches[0], v_cache=caches[1],
+                                       slot_mapping=slots) if write else {}))
+    ref = kernels.fused.rotary_ref(q, k, positions, cos_sin, **kw,
+                                   **(dict(v=v, k_cache=caches[2], v_cache=caches[3],
+                                           slot_mapping=slots) if write else {}))
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(out[1], ref[1])
+    if write:
+        torch.testing.assert_close(caches[0], caches[2])
+        torch.testing.assert_close(caches[1], caches[3])
+        assert caches[0][1].abs().sum() > 0
