@@ -192,6 +192,14 @@ def test_uniforms_are_open_interval_and_uniform() -> None:
     assert torch.isfinite(u_ext.log().neg().log()).all()
 
 
+def test_consecutive_positions_are_independent() -> None:
+    """Pairs of draws at positions (n, n + 1) fill all 64 cells of an 8-token grid evenly."""
+    tokens = _draws(torch.zeros(8), SamplingParams(temperature=1.0), 64001, seed=42)
+    pairs = tokens[:-1] * 8 + tokens[1:]
+    # 63 degrees of freedom: the 99.99% quantile is about 111.
+    assert _chi_square(pairs, torch.full((64,), 1 / 64)) < 115.0
+
+
 # --- distributions ----------------------------------------------------------------------------
 
 

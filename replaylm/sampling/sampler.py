@@ -89,6 +89,8 @@ def uniforms(rkeys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
     x = rkeys[:, None] ^ vhash[None, :]
     x *= _MUL1
     x &= _MASK32
+    x ^= x >> 12
+    x *= _MUL2
     x &= _KEEP_HIGH23
     x |= _HALF_STEP
     return torch.mul(x, _INV_2_32)
