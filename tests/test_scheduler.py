@@ -212,9 +212,32 @@ def test_preempts_most_recent_and_requeues_at_front() -> None:
     assert [s.request for s in out.scheduled] == [a]
     assert list(sched.waiting) == [b, c] and c.status is RequestStatus.PREEMPTED
     assert c.slot == -1 and c.num_computed_tokens == 0 and c.num_preemptions == 1
-    assert not out.newly_slotted  # no admission in a step that preempted
+    assert not out.newly_slotted
     sched.update(out, runner.run(out))
     sched.check_integrity()
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    # b preempts itself for want of a 2nd block; a 16-token chunk of its recompute would fit the
+    # one block it freed, but admitting it now would only evict it again next step.
+    sched = make_sched(num_blocks=4, max_num_batched_tokens=17, max_model_len=48)
+    a, b = make_req("a", 16, 20), make_req("b", 17, 3, seed=1)
+    sched.add(a)
+    sched.add(b)
+    runner = FakeRunner(sched.block_manager)
+    out = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 16), (b, 1)]
+    sched.update(out, runner.run(out))
+    out = sched.schedule()
+    assert out.preempted == [b] and [s.request for s in out.scheduled] == [a]
+    assert not out.newly_slotted and list(sched.waiting) == [b]
+    sched.update(out, runner.run(out))
+    while sched.has_unfinished:
+        out = sched.schedule()
+        sched.update(out, runner.run(out))
+        sched.check_integrity()
+    assert a.output_token_ids == reference_output(a, 48)
+    assert b.output_token_ids == reference_output(b, 48)
 
 
 def test_abort_waiting_running_and_in_flight() -> None:
@@ -277,10 +300,12 @@ def test_update_checks_sample_count_and_add_checks_prompt() -> None:
 def test_property_random_traffic(data: st.DataObject) -> None:
     max_model_len = data.draw(st.integers(8, 96), label="max_model_len")
     min_blocks = -(-max_model_len // BLOCK_SIZE) + 1
-    num_blocks = data.draw(st.integers(min_blocks, min_blocks + 12), label="num_blocks")
+    num_blocks = data.draw(st.integers(min_blocks, min_blocks + 4), label="num_blocks")
     chunked = data.draw(st.booleans(), label="chunked")
-    budget = data.draw(st.integers(1 if chunked else max_model_len, 128), label="budget")
-    max_num_seqs = data.draw(st.integers(1, 6), label="max_num_seqs")
+    # Tight pools, small budgets and many slots make preemption and split prefills common.
+    low = 1 if chunked else max_model_len  # unsplit prefills must fit one step
+    budget = data.draw(st.integers(low, low + 63), label="budget")
+    max_num_seqs = data.draw(st.integers(1, 8), label="max_num_seqs")
     specs = data.draw(
         st.lists(
             st.tuples(

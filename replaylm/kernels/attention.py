@@ -204,11 +204,11 @@ def _combine_kernel(
     sp_ok = sp < num_splits
     row = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits + sp
     m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
+    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_use)
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * l_s, axis=0)
     o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))

@@ -76,8 +76,16 @@ def vocab_hash(vocab_size: int, device: torch.device | str) -> torch.Tensor:
 
 
 def row_keys(seed_keys: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
-    """Per-row keys ``[L]`` int64 from per-row seed keys and output positions, pre-shifted."""
-    return _pre_shift(_mix32(seed_keys ^ (out_pos & _MASK32)))
+    """Per-row keys ``[L]`` int64 from per-row seed keys and output positions, pre-shifted.
+
+    One multiply round suffices here: the seed key is already fully mixed, and the per-element
+    rounds in ``uniforms`` follow, so a position passes through three multiply rounds before it
+    reaches a uniform. Each op here is a separate tiny launch on every decode step.
+    """
+    x = (seed_keys ^ out_pos) & _MASK32
+    x *= _MUL1
+    x &= _MASK32
+    return _pre_shift(x)
 
 
 def uniforms(rkeys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:

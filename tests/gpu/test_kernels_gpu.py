@@ -1,0 +1,202 @@
+"""Triton kernels on the GPU (bf16/fp16, real head shapes, long contexts) vs torch references.
+
+Run with ``pytest -m gpu tests/gpu/test_kernels_gpu.py``; skipped without CUDA/Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata  # noqa: E402
+from replaylm.attention.torch_ref import attention_ref, write_kv_ref  # noqa: E402
+
+if isinstance(triton.language.sum, InterpretedFunction):
+    pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
+
+from replaylm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from replaylm.kernels import attention as attn  # noqa: E402
+from replaylm.kernels import fused  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def make_batch(q_lens, kv_lens, *, hq, hkv, d, dtype, pad_tokens=0, pad_slots=0, seed=0):
+    """Front-packed padded batch over a randomly paged cache (block 0 = scratch)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per = [triton.cdiv(n, BLOCK_SIZE) for n in kv_lens]
+    num_blocks = 1 + sum(blocks_per)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    s = len(q_lens) + pad_slots
+    block_table = torch.zeros(s, max(blocks_per), dtype=torch.int32)
+    for i, nb in enumerate(blocks_per):
+        block_table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
+        perm = perm[nb:]
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype)
+    t_real = sum(q_lens)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    cu += [t_real] * pad_slots
+    kv = list(kv_lens) + [0] * pad_slots
+    q = torch.randn(t_real + pad_tokens, hq, d, device=DEV, dtype=dtype)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
+        kv_lens=torch.tensor(kv, dtype=torch.int32, device=DEV),
+        block_table=block_table.to(DEV),
+        slot_mapping=torch.zeros(t_real + pad_tokens, dtype=torch.int64, device=DEV),
+        num_tokens=t_real + pad_tokens, num_reqs=s, max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens), cu_seqlens_q_cpu=cu, kv_lens_cpu=kv,
+    )
+    return q, k_cache, v_cache, meta
+
+
+def check(out, q, kc, vc, meta, tol=2e-2):
+    ref = attention_ref(q.float(), kc.float(), vc.float(), meta.cu_seqlens_q_cpu,
+                        meta.kv_lens_cpu, meta.block_table, q.shape[-1] ** -0.5)
+    t = meta.cu_seqlens_q_cpu[-1]
+    torch.testing.assert_close(out[:t].float(), ref[:t], atol=tol, rtol=tol)
+    assert torch.all(out[t:] == 0)
+
+
+def run(q, kc, vc, meta, **kw):
+    return attn.paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.kv_lens, meta.block_table,
+                                q.shape[-1] ** -0.5, max_q_len=meta.max_q_len,
+                                max_kv_len=meta.max_kv_len, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (32, 4)])
+def test_mixed_batch(dtype, d, hq, hkv):
+    # Chunked prefill over a prefix, decodes at and around block edges, verify rows, padding.
+    q_lens = [300, 1, 1, 1, 5, 1, 64]
+    kv_lens = [1000, 15, 16, 4097, 40, 1, 64]
+    q, kc, vc, meta = make_batch(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, dtype=dtype,
+                                 pad_tokens=7, pad_slots=3)
+    check(run(q, kc, vc, meta), q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 8, 32])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 64), (8, 1, 128)])
+def test_long_context_decode(splits, hq, hkv, d):
+    q_lens = [1, 1, 4]
+    kv_lens = [32768, 9000, 20001]
+    q, kc, vc, meta = make_batch(q_lens, kv_lens, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16,
+                                 pad_tokens=1, pad_slots=1, seed=1)
+    check(run(q, kc, vc, meta, num_splits=splits), q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_vs_sdpa(d):
+    n, hq, hkv = 2048, 32, 8
+    q, kc, vc, meta = make_batch([n], [n], hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16)
+    out = run(q, kc, vc, meta)
+    bt = meta.block_table[0].long()
+    k = kc[bt].flatten(0, 1)[:n].repeat_interleave(hq // hkv, 1)
+    v = vc[bt].flatten(0, 1)[:n].repeat_interleave(hq // hkv, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_cuda_graph_replay():
+    """Capture once at padded sizes, replay for a different mix of requests."""
+    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    backend = TritonAttentionBackend()
+    backend.warmup(num_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, device=DEV)
+    t_pad, s = 16, 6
+    q1, kc, vc, m1 = make_batch([1, 4, 1, 1], [900, 300, 17, 5000], hq=hq, hkv=hkv, d=d,
+                                dtype=dtype, pad_tokens=t_pad - 7, pad_slots=s - 4, seed=3)
+    q2, _, _, m2 = make_batch([1] * 5, [100, 16, 4000, 2, 33], hq=hq, hkv=hkv, d=d,
+                              dtype=dtype, pad_tokens=t_pad - 5, pad_slots=s - 5, seed=4)
+    m2.block_table = m2.block_table.clamp(max=kc.shape[0] - 1)
+    # Static buffers sized for the tier; the graph bakes in their addresses.
+    st_q = q1.clone()
+    st = AttentionMetadata(m1.cu_seqlens_q.clone(), m1.kv_lens.clone(),
+                           torch.zeros(s, 400, dtype=torch.int32, device=DEV),
+                           m1.slot_mapping.clone(), t_pad, s, max_q_len=8, max_kv_len=6400)
+    st.block_table[:, : m1.block_table.shape[1]] = m1.block_table
+    backend.forward(st_q, kc, vc, st, d**-0.5)  # eager run of the same variant
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st_out = backend.forward(st_q, kc, vc, st, d**-0.5)
+    for q, m in ((q1, m1), (q2, m2)):
+        st_q.copy_(q)
+        st.cu_seqlens_q.copy_(m.cu_seqlens_q)
+        st.kv_lens.copy_(m.kv_lens)
+        st.block_table.zero_()
+        st.block_table[:, : m.block_table.shape[1]] = m.block_table
+        graph.replay()
+        eager = backend.forward(st_q, kc, vc, st, d**-0.5)
+        assert torch.equal(st_out, eager)  # replay is bit-identical to eager
+        check(st_out.clone(), q, kc, vc, m)
+
+
+def test_write_kv_strided():
+    t, hq, hkv, d = 37, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(64, device=DEV)[:t] + 16
+    slots[-3:] = 0
+    caches = [torch.zeros(6, BLOCK_SIZE, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
+    TritonAttentionBackend().write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0][1:], caches[2][1:]) and torch.equal(caches[1][1:], caches[3][1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernels(dtype):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    t, h, inter = 33, 4096, 14336
+    x = torch.randn(t, h, device=DEV, dtype=dtype, generator=g)
+    res = torch.randn(t, h, device=DEV, dtype=dtype, generator=g)
+    w = torch.randn(h, device=DEV, dtype=dtype, generator=g)
+    for r in (None, res):
+        out, new_res = fused.fused_add_rmsnorm(x, r, w, 1e-5)
+        ref_out, ref_res = fused.fused_add_rmsnorm_ref(x, r, w, 1e-5)
+        assert torch.equal(new_res, ref_res)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=1e-2)
+    gate_up = torch.randn(t, 2 * inter, device=DEV, dtype=dtype, generator=g)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), fused.silu_and_mul_ref(gate_up),
+                               atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rotary_fused(qk_norm, d):
+    dtype, t, hq, hkv = torch.bfloat16, 29, 16, 8
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    freqs = torch.outer(torch.arange(40000, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    positions = torch.randint(0, 40000, (t,), device=DEV)
+    kw = {}
+    if qk_norm:
+        kw = dict(q_norm_weight=torch.randn(d, device=DEV, dtype=dtype),
+                  k_norm_weight=torch.randn(d, device=DEV, dtype=dtype), eps=1e-6)
+    caches = [torch.zeros(4, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype) for _ in range(4)]
+    slots = torch.arange(16, 16 + t, device=DEV)
+    qo, ko = fused.rotary(q, k, positions, cos_sin, v=v, k_cache=caches[0], v_cache=caches[1],
+                          slot_mapping=slots, **kw)
+    qr, kr = fused.rotary_ref(q, k, positions, cos_sin, v=v, k_cache=caches[2],
+                              v_cache=caches[3], slot_mapping=slots, **kw)
+    torch.testing.assert_close(qo, qr, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(ko, kr, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(caches[0], caches[2], atol=2e-2, rtol=1e-2)
+    assert torch.equal(caches[1], caches[3])
