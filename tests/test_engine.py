@@ -31,7 +31,7 @@ def _run_stepwise(llm: LLM, prompts, params) -> dict[str, list[int]]:
     while core.has_unfinished():
         for d in core.step():
             got[d.request_id].extend(d.new_token_ids)
-        core.block_manager.check_integrity(core.scheduler.running)
+        core.scheduler.check_integrity()
     assert core.block_manager.num_used_blocks == 0
     return got
 
@@ -90,7 +90,7 @@ def test_abort_frees_blocks_and_others_continue(llama_dir):
     assert core.block_manager.num_used_blocks > 0
     assert core.abort("b")
     assert not core.abort("b")
-    core.block_manager.check_integrity(core.scheduler.running)
+    core.scheduler.check_integrity()
     tokens = []
     while core.has_unfinished():
         for d in core.step():
