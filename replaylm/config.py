@@ -15,7 +15,7 @@ from typing import Any, get_args
 GRAPH_MODES = ("eager", "full", "piecewise", "full_and_piecewise", "ragged")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
@@ -37,7 +37,15 @@ _HELP: dict[str, str] = {
     "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
     "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
     "skip_tokenizer_init": "run on token ids alone (no tokenizer)",
-    "attention_backend": "auto (triton on CUDA when available, else torch), torch or triton",
+    "attention_backend": "auto (triton on CUDA when available, else torch), torch, "
+    "torch_dense (graph-safe torch) or triton",
+    "graph_tiers": "comma-separated graph tiers (e.g. 1,2,4,8,16), or auto:TRACE.json to fit "
+    "them to a traffic trace",
+    "max_graph_tokens": "largest token tier captured (steps above it run without a graph)",
+    "max_graphs": "graph budget for --graph-tiers auto:TRACE.json",
+    "graph_check": "every Nth graph step is also run eagerly on the same padded batch and "
+    "compared bit for bit (0 = off)",
+    "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
 }
 
 
@@ -62,6 +70,11 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"
+    graph_tiers: str | None = None
+    max_graph_tokens: int = 512
+    max_graphs: int | None = None
+    graph_check: int = 0
+    poison_padding: bool = False
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -73,6 +86,11 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_graph_tokens", self.max_graph_tokens)
+        if self.max_graphs is not None:
+            _positive("max_graphs", self.max_graphs)
+        if not isinstance(self.graph_check, int) or self.graph_check < 0:
+            raise ValueError(f"EngineArgs.graph_check={self.graph_check!r} is invalid: must be >= 0")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

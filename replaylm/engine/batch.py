@@ -1,4 +1,8 @@
-"""The one batch format (DESIGN.md): every forward pass takes one front-packed batch."""
+"""The one batch format (DESIGN.md): every forward pass takes one front-packed batch.
+
+A step is first laid out on the host (``HostBatch``, numpy), then either copied into fresh
+device tensors (eager) or into a graph's static buffers with padding (``replaylm.graphs``).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,46 @@ from replaylm.engine.scheduler import SchedulerOutput
 
 
 @dataclass
+class HostBatch:
+    """The real (unpadded) batch on the host."""
+
+    input_ids: np.ndarray  # [T] int64; rows in ``from_device_rows`` are placeholders
+    from_device_rows: np.ndarray  # [F] int64: rows fed from last_token on the device
+    from_device_slots: np.ndarray  # [F] int64: the slot whose last_token each such row reads
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    kv_lens: np.ndarray  # [B] int32
+    block_table: np.ndarray  # [B, W] int32 (W = widest row this step)
+    logits_indices: np.ndarray  # [L] int64
+    sample_slots: np.ndarray  # [L] int64
+    sample_out_pos: np.ndarray  # [L] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.logits_indices)
+
+    @property
+    def max_q_len(self) -> int:
+        return int(np.diff(self.cu_seqlens_q).max())
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """Every request adds exactly one token and samples it (what ``full`` graphs serve)."""
+        return self.num_tokens == self.num_reqs == self.num_sampled
+
+
+@dataclass
 class ForwardBatch:
-    """Device tensors of one step plus the host facts the runner needs afterwards."""
+    """Device tensors of one step (possibly padded views of a graph's static buffers)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -21,37 +63,29 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int64: packed rows whose logits are sampled
     sample_slots: torch.Tensor  # [L] int64: request slot of each sampled row
     sample_out_pos: torch.Tensor  # [L] int64: output index of the token each row samples
-    sample_slots_cpu: list[int]
-    num_tokens: int
-    num_reqs: int
 
 
-def build_batch(
-    out: SchedulerOutput,
-    last_token: torch.Tensor,
-    max_blocks: int,
-    device: torch.device,
-    host_attn_lengths: bool,
-) -> ForwardBatch:
-    """Front-pack the scheduled requests into one batch (no padding; graphs pad later).
+def build_host_batch(out: SchedulerOutput) -> HostBatch:
+    """Front-pack the scheduled requests on the host.
 
-    A decode token that is the request's latest sample is not written from the host: its id
-    is gathered on the device from ``last_token[slot]`` where the sampler left it, so building
-    step N+1 never needs step N's tokens on the host (the overlap-ready convention).
+    A token that is the request's latest sample is not taken from the host: it is gathered on
+    the device from ``last_token[slot]``, where the sampler left it, so building step N+1 never
+    needs step N's tokens on the host (the overlap-ready convention).
     """
-    ids: list[int] = []
-    from_device: list[int] = []  # packed rows fed from last_token
-    from_slot: list[int] = []
-    positions: list[np.ndarray] = []
-    slot_mapping: list[np.ndarray] = []
-    cu = [0]
-    kv_lens: list[int] = []
-    table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-    logits_idx: list[int] = []
-    slots: list[int] = []
-    out_pos: list[int] = []
     for req in out.newly_slotted:
         req.device_token_slot = -1  # whatever last_token[slot] holds belongs to someone else
+    ids: list[int] = []
+    from_rows: list[int] = []
+    from_slots: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    cu = [0]
+    kv_lens: list[int] = []
+    logits_idx: list[int] = []
+    sample_slots: list[int] = []
+    out_pos: list[int] = []
+    width = max(len(sr.request.block_ids) for sr in out.scheduled)
+    table = np.zeros((len(out.scheduled), width), dtype=np.int32)
     for row, sr in enumerate(out.scheduled):
         req, start, n = sr.request, sr.start, sr.num_new_tokens
         base = len(ids)
@@ -59,49 +93,73 @@ def build_batch(
         last_out = req.num_tokens - 1
         if req.output_token_ids and start <= last_out < start + n \
                 and req.device_token_slot == req.slot:
-            from_device.append(base + last_out - start)
-            from_slot.append(req.slot)
+            from_rows.append(base + last_out - start)
+            from_slots.append(req.slot)
         pos = np.arange(start, start + n)
+        blocks = np.asarray(req.block_ids, dtype=np.int64)
         positions.append(pos)
-        slot_mapping.append(np.asarray(req.block_ids)[pos // BLOCK_SIZE] * BLOCK_SIZE
-                            + pos % BLOCK_SIZE)
+        slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
         cu.append(len(ids))
         kv_lens.append(start + n)
-        table[row, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        table[row, : len(blocks)] = blocks
         if sr.sample:
             req.device_token_slot = req.slot  # the sampler writes last_token[slot]
             logits_idx.append(len(ids) - 1)
-            slots.append(req.slot)
+            sample_slots.append(req.slot)
             out_pos.append(req.num_output_tokens)
+    i64 = np.int64
+    return HostBatch(
+        input_ids=np.asarray(ids, dtype=i64),
+        from_device_rows=np.asarray(from_rows, dtype=i64),
+        from_device_slots=np.asarray(from_slots, dtype=i64),
+        positions=np.concatenate(positions).astype(i64),
+        slot_mapping=np.concatenate(slots).astype(i64),
+        cu_seqlens_q=np.asarray(cu, dtype=np.int32),
+        kv_lens=np.asarray(kv_lens, dtype=np.int32),
+        block_table=table,
+        logits_indices=np.asarray(logits_idx, dtype=i64),
+        sample_slots=np.asarray(sample_slots, dtype=i64),
+        sample_out_pos=np.asarray(out_pos, dtype=i64),
+    )
 
-    def dev(values, dtype=torch.int64) -> torch.Tensor:
-        if isinstance(values, list) and values and isinstance(values[0], np.ndarray):
-            values = np.concatenate(values)
-        return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    input_ids = dev(ids)
-    if from_device:
-        input_ids[dev(from_device)] = last_token[dev(from_slot)]
+def feed_sampled_tokens(input_ids: torch.Tensor, host: HostBatch, last_token: torch.Tensor) -> None:
+    """Write the previous step's samples (still on the device) into ``input_ids``."""
+    if len(host.from_device_rows):
+        dev = input_ids.device
+        rows = torch.from_numpy(host.from_device_rows).to(dev, non_blocking=True)
+        src = torch.from_numpy(host.from_device_slots).to(dev, non_blocking=True)
+        input_ids.index_copy_(0, rows, last_token.index_select(0, src))
+
+
+def to_device(host: HostBatch, last_token: torch.Tensor, device: torch.device,
+              host_attn_lengths: bool, max_kv_len_bound: int | None = None) -> ForwardBatch:
+    """Fresh device tensors for an eager step (no padding)."""
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    input_ids = dev(host.input_ids)
+    feed_sampled_tokens(input_ids, host, last_token)
+    cu = host.cu_seqlens_q.tolist()
+    kv = host.kv_lens.tolist()
     meta = AttentionMetadata(
-        cu_seqlens_q=dev(cu, torch.int32),
-        kv_lens=dev(kv_lens, torch.int32),
-        block_table=table.to(device, non_blocking=True),
-        slot_mapping=dev(slot_mapping),
-        num_tokens=len(ids),
-        num_reqs=len(kv_lens),
-        max_q_len=max(sr.num_new_tokens for sr in out.scheduled),
-        max_kv_len=max(kv_lens),
+        cu_seqlens_q=dev(host.cu_seqlens_q),
+        kv_lens=dev(host.kv_lens),
+        block_table=dev(host.block_table),
+        slot_mapping=dev(host.slot_mapping),
+        num_tokens=host.num_tokens,
+        num_reqs=host.num_reqs,
+        max_q_len=host.max_q_len,
+        max_kv_len=max(kv) if max_kv_len_bound is None else max_kv_len_bound,
         cu_seqlens_q_cpu=cu if host_attn_lengths else None,
-        kv_lens_cpu=kv_lens if host_attn_lengths else None,
+        kv_lens_cpu=kv if host_attn_lengths else None,
     )
     return ForwardBatch(
         input_ids=input_ids,
-        positions=dev(positions),
+        positions=dev(host.positions),
         meta=meta,
-        logits_indices=dev(logits_idx),
-        sample_slots=dev(slots),
-        sample_out_pos=dev(out_pos),
-        sample_slots_cpu=slots,
-        num_tokens=len(ids),
-        num_reqs=len(kv_lens),
+        logits_indices=dev(host.logits_indices),
+        sample_slots=dev(host.sample_slots),
+        sample_out_pos=dev(host.sample_out_pos),
     )

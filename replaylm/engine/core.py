@@ -84,10 +84,10 @@ class EngineCore:
         weights_dir = model_dir
         if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
             weights_dir = default_model_weights(cfg) if args.load_format != "dummy" else None
-        self.graph_mode = self._resolve_graph_mode(args)
         self.max_model_len = self._resolve_max_model_len(args, cfg)
         self.tokenizer = load_tokenizer(args, model_dir)
         self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len)
+        self.graph_mode = self.runner.graph_mode
         self.block_manager = BlockManager(self.runner.num_blocks)
         if (self.runner.num_blocks - 1) * self.block_manager.block_size < self.max_model_len:
             raise ValueError(
@@ -102,22 +102,13 @@ class EngineCore:
             enable_chunked_prefill=args.enable_chunked_prefill,
         )
         self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
-                                 graph_mode=self.graph_mode)
+                                 graph_mode=self.graph_mode, graphs=self.runner.graphs.stats)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)
-
-    @staticmethod
-    def _resolve_graph_mode(args: EngineArgs) -> str:
-        if args.enforce_eager or args.cuda_graph_mode in (None, "eager"):
-            return "eager"
-        raise ValueError(
-            f"EngineArgs.cuda_graph_mode={args.cuda_graph_mode!r} is not available yet: "
-            "this build runs eager only (use cuda_graph_mode='eager' or enforce_eager=True)"
-        )
 
     @staticmethod
     def _resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
@@ -216,11 +207,11 @@ class EngineCore:
         if out.is_empty:
             self._refresh_gauges()
             return []
-        pending = self.runner.execute(out)
+        pending, dispatch, padded = self.runner.execute(out)
         sampled = pending.tokens() if pending is not None else []
         self.stats.record_step(StepRecord(
-            mode="eager", tier=None, real_tokens=out.num_batched_tokens,
-            padded_tokens=out.num_batched_tokens, num_reqs=len(out.scheduled),
+            mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
+            padded_tokens=padded, num_reqs=len(out.scheduled), fallback_reason=dispatch.reason,
         ))
         changed = self.scheduler.update(out, sampled)
         deltas = []

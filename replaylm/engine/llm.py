@@ -55,6 +55,11 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def graph_stats(self) -> dict:
+        """Graph hits per mode and tier, real vs padded tokens, fallbacks and their reasons,
+        capture seconds and graph memory."""
+        return self.engine.runner.graphs.stats.as_dict()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -10,11 +10,14 @@ from pathlib import Path
 import torch
 
 from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.attention.torch_dense import TorchDenseAttentionBackend
 from replaylm.attention.torch_ref import TorchAttentionBackend
 from replaylm.config import EngineArgs
-from replaylm.engine.batch import ForwardBatch, build_batch
+from replaylm.engine.batch import build_host_batch
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
+from replaylm.graphs.runtime import Dispatch, GraphRuntime
+from replaylm.graphs.tiers import default_decode_tiers, default_token_tiers, parse_graph_tiers
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -39,8 +42,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+#: The mode ``cuda_graph_mode=None`` picks on a GPU (see README, "CUDA graphs").
+DEFAULT_GPU_GRAPH_MODE = "ragged"
+WHOLE_MODEL_MODES = ("full", "full_and_piecewise", "ragged")
+
+
+def resolve_graph_mode(args: EngineArgs, device: torch.device) -> str:
+    if args.enforce_eager:
+        return "eager"
+    if args.cuda_graph_mode is not None:
+        return args.cuda_graph_mode
+    return DEFAULT_GPU_GRAPH_MODE if device.type == "cuda" else "eager"
+
+
+def make_attention_backend(name: str, device: torch.device,
+                           graph_mode: str = "eager") -> AttentionBackend:
+    """Pick the attention backend; whole-model graphs need a graph-safe one."""
+    if name == "torch_dense" or (name == "auto" and device.type != "cuda"
+                                 and graph_mode in WHOLE_MODEL_MODES):
+        return TorchDenseAttentionBackend()
+    if name == "torch":
+        if graph_mode in WHOLE_MODEL_MODES:
+            raise ValueError(
+                f"attention_backend='torch' cannot be captured in cuda_graph_mode={graph_mode!r} "
+                "(it reads lengths on the host): use triton, torch_dense or piecewise"
+            )
+        return TorchAttentionBackend()
+    if name == "auto" and device.type != "cuda":
         return TorchAttentionBackend()
     try:
         from replaylm.attention.triton_backend import TritonAttentionBackend
@@ -73,6 +101,8 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        self.graph_mode = resolve_graph_mode(args, self.device)
+        self.decode_tiers, self.token_tiers, self.tier_report = self._resolve_tiers()
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
         t0 = time.perf_counter()
@@ -80,7 +110,8 @@ class ModelRunner:
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
         )
         self.load_seconds = time.perf_counter() - t0
-        self.attn = make_attention_backend(args.attention_backend, self.device)
+        self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
+        self.model.poison_padding = args.poison_padding
         self.sampling = SamplingState(args.max_num_seqs, self.device)
         self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_blocks = self._decide_num_blocks()
@@ -89,6 +120,40 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.graphs = GraphRuntime(
+            self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
+            max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
+            decode_tiers=self.decode_tiers, token_tiers=self.token_tiers,
+            last_token=self.last_token, host_attn_lengths=not self.attn.graph_safe,
+            graph_check=args.graph_check,
+        )
+        self._warm_sampler()
+        self.graphs.capture()
+
+    def _resolve_tiers(self) -> tuple[list[int], list[int], str]:
+        args = self.args
+        if self.graph_mode == "eager":
+            return [], [], "eager: no graphs"
+        cap = args.max_graph_tokens
+        decode_default = default_decode_tiers(min(args.max_num_seqs, cap))
+        token_default = default_token_tiers(min(cap, args.max_num_batched_tokens))
+        keyed_by_tokens = self.graph_mode != "full"
+        tiers, report = parse_graph_tiers(
+            args.graph_tiers, default=token_default if keyed_by_tokens else decode_default,
+            limit=cap, max_graphs=args.max_graphs, what="max_graph_tokens",
+        )
+        # Full graphs are keyed by request count, so tiers above max_num_seqs never replay.
+        decode = [t for t in tiers if t <= args.max_num_seqs] or [1]
+        if args.graph_tiers is None:
+            decode, tiers = decode_default, token_default
+        log.info("graph tiers (%s): %s", self.graph_mode, report)
+        return decode, tiers, report
+
+    def _warm_sampler(self) -> None:
+        """Build the sampler's cached tables now, not inside a step that may be captured."""
+        logits = torch.zeros(1, self.cfg.vocab_size, device=self.device)
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
+        sample(logits, zeros, zeros, self.sampling, all_greedy=False, need_filter=True)
 
     # KV pool -------------------------------------------------------------------------------
 
@@ -115,11 +180,12 @@ class ModelRunner:
         torch_reserved = torch.cuda.memory_reserved(self.device)
         not_ours = total - free - torch_reserved
         weights = torch.cuda.memory_allocated(self.device)
-        budget = total * args.gpu_memory_utilization - not_ours - weights - peak
+        graphs = self._estimate_graph_bytes(peak)
+        budget = total * args.gpu_memory_utilization - not_ours - weights - peak - graphs
         blocks = int(budget // self.block_bytes)
         log.info("KV sizing: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, "
-                 "other %.2f GiB -> %d blocks", total / 2**30, weights / 2**30, peak / 2**30,
-                 not_ours / 2**30, blocks)
+                 "graphs (estimate) %.2f GiB, other %.2f GiB -> %d blocks", total / 2**30,
+                 weights / 2**30, peak / 2**30, graphs / 2**30, not_ours / 2**30, blocks)
         if blocks < 2:
             raise ValueError(
                 f"no GPU memory left for the KV cache (weights {weights / 2**30:.2f} GiB, "
@@ -127,6 +193,22 @@ class ModelRunner:
                 "lower max_num_batched_tokens"
             )
         return min(blocks, useful)
+
+    def _estimate_graph_bytes(self, profile_peak: int) -> int:
+        """Memory the graphs will hold, reserved before the KV pool is sized.
+
+        Graphs share one pool, captured largest first, so it holds about one activation peak
+        of the top tier (scaled from the profiling run), plus static buffers and logits.
+        """
+        if self.graph_mode == "eager":
+            return 0
+        top = max(self.decode_tiers + self.token_tiers)
+        profiled = min(self.args.max_num_batched_tokens, self.max_model_len)
+        acts = profile_peak * min(1.0, top / profiled)
+        if self.graph_mode in ("piecewise", "full_and_piecewise"):
+            acts += 4 * top * self.cfg.q_size * self.dtype.itemsize  # link buffers
+        logits = min(top, self.args.max_num_seqs) * self.cfg.vocab_size * 4
+        return int(acts + logits + 64 * 2**20)
 
     @torch.inference_mode()
     def _profile_activation_peak(self) -> int:
@@ -163,25 +245,26 @@ class ModelRunner:
         self.sampling.set(req.slot, req.sampling_params, req.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> PendingStep | None:
+    def execute(self, out: SchedulerOutput) -> tuple[PendingStep | None, Dispatch, int]:
+        """Launch one step; returns the pending samples, the dispatch and the padded size."""
         for req in out.newly_slotted:
             self.admit(req)
-        batch = build_batch(out, self.last_token, self.max_blocks_per_req, self.device,
-                            host_attn_lengths=not self.attn.graph_safe)
-        return self.run_batch(batch)
-
-    def run_batch(self, batch: ForwardBatch) -> PendingStep | None:
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if not batch.sample_slots_cpu:
-            return None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        slots = batch.sample_slots_cpu
+        host = build_host_batch(out)
+        res = self.graphs.run(host)
+        n = host.num_sampled
+        if n == 0:
+            return None, res.dispatch, res.padded_tokens
+        slots_host = host.sample_slots.tolist()
+        slots = res.batch.sample_slots[:n]
         tokens = sample(
-            logits, batch.sample_slots, batch.sample_out_pos, self.sampling,
-            all_greedy=self.sampling.all_greedy(slots),
-            need_filter=self.sampling.needs_filter(slots),
+            res.logits, slots, res.batch.sample_out_pos[:n], self.sampling,
+            all_greedy=self.sampling.all_greedy(slots_host),
+            need_filter=self.sampling.needs_filter(slots_host),
         )
-        self.last_token.index_copy_(0, batch.sample_slots, tokens)
+        self.last_token.index_copy_(0, slots, tokens)
+        return self._pending(tokens), res.dispatch, res.padded_tokens
+
+    def _pending(self, tokens: torch.Tensor) -> PendingStep:
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)

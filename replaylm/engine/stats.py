@@ -32,6 +32,7 @@ class EngineStats:
     graph_mode: str = "eager"
     steps_by_mode: dict[str, int] = field(default_factory=dict)
     last_step: StepRecord | None = None
+    graphs: object | None = None  # the graph runtime's GraphStats (hits, padding, capture)
 
     def record_step(self, rec: StepRecord) -> None:
         self.steps += 1
@@ -45,4 +46,6 @@ class EngineStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["kv_usage"] = round(self.kv_usage, 4)
+        if self.graphs is not None:
+            d["graphs"] = self.graphs.as_dict()
         return d

@@ -236,16 +236,18 @@ def group_pad(num_heads: int, num_kv_heads: int) -> int:
 def pick_config(max_q_len: int, g_pad: int, head_dim: int) -> AttnConfig:
     """Tile configuration from host-known bounds only (deterministic for a graph tier).
 
-    Decode / verify launches (a few tokens per request) take a small tile so no work is
-    wasted on absent query rows; anything larger takes the prefill tile.
+    Decode / verify launches (a few tokens per request) take a short tile so no work is
+    wasted on absent query rows, and long key blocks so each program keeps plenty of K/V
+    bytes in flight (memory bound). Larger launches take the prefill tile. The numbers come
+    from a sweep on an H200 (``python -m replaylm.bench.kernels --sweep``): 128-key blocks
+    with 4 warps read at ~4.3 TB/s; 64x64 tiles with 4 warps, 2 stages gave the best causal
+    prefill.
     """
     small_m = max(16, g_pad * _next_pow2(max(1, max_q_len)))
     if small_m <= 64:
-        return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=3)
-    block_m = max(128, g_pad)
-    if head_dim <= 64:
-        return AttnConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=3)
-    return AttnConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=3)
+        return AttnConfig(block_m=small_m, block_n=128 if head_dim <= 128 else 64, num_warps=4,
+                          num_stages=2)
+    return AttnConfig(block_m=max(64, g_pad), block_n=64, num_warps=4, num_stages=2)
 
 
 @cache
@@ -257,13 +259,13 @@ def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len
                     max_kv_len: int, block_n: int) -> int:
     """Split-KV factor from host-known sizes: split only when few (request, KV head) pairs
     would leave most SMs idle over a long context. Deterministic for fixed tier bounds."""
-    if max_q_len > 16 or max_kv_len < 4 * block_n:
+    if max_q_len > 16 or max_kv_len < 2 * block_n:
         return 1
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     programs = max(1, num_reqs * num_kv_heads)
     if programs >= sms:
         return 1
-    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_kv_len, 4 * block_n))
+    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_kv_len, 2 * block_n))
     return max(1, splits)
 
 
@@ -296,6 +298,8 @@ def paged_attention(
     num_reqs = kv_lens.shape[0]
     assert k_cache.shape[1] == BLOCK_SIZE and num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"Triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
     group = num_heads // num_kv_heads
     g_pad = _next_pow2(group)
     cfg = config or pick_config(max_q_len, g_pad, head_dim)

@@ -95,6 +95,9 @@ class CausalLM(nn.Module):
         self.attn: AttentionBackend | None = None
         self.cos_sin: torch.Tensor | None = None
         self.scale = cfg.head_dim**-0.5
+        # Debugging aid (CPU graph tests): padded tokens get NaN activations, so any padding
+        # that leaks into a real row shows up as NaN in its logits.
+        self.poison_padding = False
 
     def bind(
         self,
@@ -112,6 +115,10 @@ class CausalLM(nn.Module):
 
     def first_link(self, input_ids, positions, meta: AttentionMetadata):
         hidden = self.embed_tokens(input_ids)
+        if self.poison_padding:
+            # Tokens past the last request's end belong to no request: padding.
+            pad = torch.arange(hidden.shape[0], device=hidden.device) >= meta.cu_seqlens_q[-1]
+            hidden = hidden.masked_fill(pad[:, None], float("nan"))
         return self._before(0, hidden, None, positions, meta)
 
     def link(self, i: int, attn_out, residual, positions, meta: AttentionMetadata):

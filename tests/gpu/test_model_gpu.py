@@ -7,7 +7,6 @@ import torch
 
 from replaylm import LLM, SamplingParams
 from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata
-from replaylm.attention.torch_ref import TorchAttentionBackend
 from replaylm.engine.core import load_model_config
 from replaylm.engine.model_runner import make_attention_backend
 from replaylm.model.loader import load_model
