@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +12,8 @@ from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMe
 from replaylm.attention.torch_dense import TorchDenseAttentionBackend
 from replaylm.attention.torch_ref import TorchAttentionBackend
 from replaylm.config import EngineArgs
-from replaylm.engine.batch import build_host_batch
+from replaylm.engine.batch import HostBatch, build_host_batch, to_device
+from replaylm.engine.prompt_logprobs import plan_prompt_logprobs
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.graphs.runtime import Dispatch, GraphRuntime
@@ -21,7 +21,8 @@ from replaylm.graphs.tiers import default_decode_tiers, default_token_tiers, par
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
-from replaylm.sampling.sampler import SamplingState, sample
+from replaylm.sampling.sampler import sample
+from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,6 @@ def make_attention_backend(name: str, device: torch.device,
     return TritonAttentionBackend()
 
 
-@dataclass
-class PendingStep:
-    """Sampled ids of a launched step; ``tokens()`` waits for the copy to the host."""
-
-    device_tokens: torch.Tensor
-    host_tokens: torch.Tensor
-    event: torch.cuda.Event | None
-
-    def tokens(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host_tokens.tolist()
-
-
 class ModelRunner:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
                  max_model_len: int) -> None:
@@ -112,7 +99,10 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.model.poison_padding = args.poison_padding
-        self.sampling = SamplingState(args.max_num_seqs, self.device)
+        # Fused Triton kernels for the dense links go with the Triton attention backend.
+        self.model.use_fused_kernels(self.attn.name == "triton")
+        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
+        self.sampling = self.sampler.state
         self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
@@ -242,7 +232,7 @@ class ModelRunner:
 
     def admit(self, req: Request) -> None:
         """Write a newly slotted request's sampling settings into its slot."""
-        self.sampling.set(req.slot, req.sampling_params, req.seed)
+        self.sampler.admit(req)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[PendingStep | None, Dispatch, int]:
@@ -250,25 +240,30 @@ class ModelRunner:
         for req in out.newly_slotted:
             self.admit(req)
         host = build_host_batch(out)
-        res = self.graphs.run(host)
+        plan = plan_prompt_logprobs(out, self.device)
+        if plan is None:
+            res = self.graphs.run(host)
+            logits, batch, dispatch, padded = res.logits, res.batch, res.dispatch, res.padded_tokens
+        else:
+            logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan)
         n = host.num_sampled
-        if n == 0:
-            return None, res.dispatch, res.padded_tokens
-        slots_host = host.sample_slots.tolist()
-        slots = res.batch.sample_slots[:n]
-        tokens = sample(
-            res.logits, slots, res.batch.sample_out_pos[:n], self.sampling,
-            all_greedy=self.sampling.all_greedy(slots_host),
-            need_filter=self.sampling.needs_filter(slots_host),
-        )
-        self.last_token.index_copy_(0, slots, tokens)
-        return self._pending(tokens), res.dispatch, res.padded_tokens
+        if n == 0 and plan is None:
+            return None, dispatch, padded
+        slots = batch.sample_slots[:n]
+        # Penalties, logit_bias, min_p, min_tokens and logprobs (when asked) then sampling.
+        pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
+                                   host.sample_slots.tolist(), plan)
+        self.last_token.index_copy_(0, slots, pending.device_tokens)
+        return pending, dispatch, padded
 
-    def _pending(self, tokens: torch.Tensor) -> PendingStep:
-        if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            return PendingStep(tokens, host, event)
-        return PendingStep(tokens, tokens, None)
+    def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):
+        """An eager step that also returns logits of prompt-logprob rows (after the sampled
+        rows): graphs size their logits rows for sampling only, so such steps skip them."""
+        reason = "prompt_logprobs"
+        fallbacks = self.graphs.stats.fallbacks
+        fallbacks[reason] = fallbacks.get(reason, 0) + 1
+        batch = to_device(host, self.last_token, self.device, not self.attn.graph_safe)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        rows = torch.cat([batch.logits_indices, plan.rows])
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits, batch, Dispatch("eager", reason=reason), host.num_tokens

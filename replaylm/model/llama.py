@@ -42,6 +42,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.kernels = None  # replaylm.kernels.fused on CUDA (see CausalLM.use_fused_kernels)
 
     def before(
         self,
@@ -55,13 +56,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``."""
         cfg = self.cfg
-        x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
+        kops = self.kernels
+        add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
+        x, residual = add_norm(hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if kops:  # one kernel: q/k norm, rotary and the KV write
+            q, _ = kops.rotary(
+                q, k, positions, cos_sin,
+                q_norm_weight=self.q_norm.weight if cfg.qk_norm else None,
+                k_norm_weight=self.k_norm.weight if cfg.qk_norm else None,
+                eps=cfg.rms_norm_eps, v=v, k_cache=kv_cache[0], v_cache=kv_cache[1],
+                slot_mapping=slot_mapping,
+            )
+            return q, residual
         if cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
@@ -72,11 +84,13 @@ class DecoderLayer(nn.Module):
 
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
+        kops = self.kernels
         hidden = self.o_proj(attn_out.flatten(1))
-        x, residual = ops.add_rms_norm(
-            hidden, residual, self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
-        )
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
+        x, residual = add_norm(hidden, residual, self.post_attention_layernorm.weight,
+                               self.cfg.rms_norm_eps)
+        act = kops.silu_and_mul if kops else ops.silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x))), residual
 
 
 class CausalLM(nn.Module):
@@ -98,6 +112,7 @@ class CausalLM(nn.Module):
         # Debugging aid (CPU graph tests): padded tokens get NaN activations, so any padding
         # that leaks into a real row shows up as NaN in its logits.
         self.poison_padding = False
+        self.kernels = None
 
     def bind(
         self,
@@ -110,6 +125,15 @@ class CausalLM(nn.Module):
         self.attn = attn
         self.kv_caches = kv_caches
         self.cos_sin = rope_cos_sin(self.cfg, max_positions, self.embed_tokens.weight.device)
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Swap the torch ops of the dense links for the fused Triton kernels (CUDA only)."""
+        mod = None
+        if enabled:
+            from replaylm.kernels import fused as mod
+        for layer in self.layers:
+            layer.kernels = mod
+        self.kernels = mod
 
     # The dense links of the chain ------------------------------------------------------------
 
@@ -128,7 +152,8 @@ class CausalLM(nn.Module):
 
     def final_link(self, attn_out, residual) -> torch.Tensor:
         hidden, residual = self.layers[-1].after(attn_out, residual)
-        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
+        add_norm = self.kernels.fused_add_rmsnorm if self.kernels else ops.add_rms_norm
+        return add_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
 
     def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[i]
