@@ -1,4 +1,4 @@
-"""``replaylm`` subcommands: ``generate``, ``demo`` and ``bench decode``.
+"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode``.
 
 Engine flags come from :meth:`EngineArgs.add_cli_args`, so every command spells them as
 ``LLM(...)`` does. The engine is imported only when a command runs, so ``--help`` stays fast.
@@ -117,6 +117,12 @@ def cmd_demo(ns: argparse.Namespace, argv: list[str] | None) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace, argv: list[str] | None) -> int:
+    from replaylm.server.serve import run_cli
+
+    return run_cli(ns, argv)
+
+
 def cmd_bench_decode(ns: argparse.Namespace, argv: list[str] | None) -> int:
     from replaylm.bench.decode import run_cli
 
@@ -143,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(demo, max_tokens=32)
     EngineArgs.add_cli_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from replaylm.server.serve import add_cli_args as add_serve_args
+
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (needs the server extra)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics with FastAPI + uvicorn; SIGTERM drains in-flight requests and exits 0.")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     from replaylm.bench.decode import add_cli_args as add_decode_args
 

@@ -1,8 +1,11 @@
 """Paged KV-cache block allocator: pure CPU bookkeeping with reference counts.
 
 Block 0 is the scratch block that padded tokens write (DESIGN.md), so it is never handed out.
-Blocks carry reference counts so that several requests can hold the same block (n > 1 forks,
-later prefix caching); a block returns to the free pool when its count drops to zero.
+Blocks carry reference counts so that several requests can hold the same block (n > 1
+siblings, prefix caching); a block returns to the free pool when its count drops to zero. With
+prefix caching, a full block is registered in a ``PrefixCache`` once its K/V are computed; when
+its count drops to zero it stays cached (evictable, still counted as free) until the allocator
+runs out of plain free blocks.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from replaylm.attention.backend import BLOCK_SIZE
+from replaylm.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hash
 from replaylm.engine.request import Request
 
 SCRATCH_BLOCK = 0
@@ -24,7 +28,8 @@ class BlockManager:
     A request's ``block_ids`` cover its first ``len(block_ids) * block_size`` token positions.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE,
+                 enable_prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"BlockManager needs num_blocks >= 2 (block 0 is reserved scratch), got {num_blocks}"
@@ -36,14 +41,21 @@ class BlockManager:
         self._refcount = [0] * num_blocks
         # Stack: pop() from the end, so reverse order makes the lowest id the first handed out.
         self._free: list[int] = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))
+        self.cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: plain free ones plus unheld cached ones."""
+        return len(self._free) + (len(self.cache.evictable) if self.cache else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, held or not."""
+        return len(self.cache.entries) if self.cache else 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -54,15 +66,16 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(req.block_ids))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_ids`` to cover ``num_tokens`` tokens; all or nothing."""
         need = self.num_blocks_needed(req, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block = self._free.pop()
+            # Plain free blocks first: a cached block is only evicted when nothing else is left.
+            block = self._free.pop() if self._free else self.cache.pop_lru()  # type: ignore[union-attr]
             self._refcount[block] = 1
             req.block_ids.append(block)
         return True
@@ -71,10 +84,19 @@ class BlockManager:
         """Drop every block ``req`` holds; idempotent."""
         self._release(req.block_ids)
         req.block_ids = []
+        req.block_hashes = []
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Keep only the blocks covering ``num_tokens`` tokens (speculative-decoding rollback)."""
         keep = self.blocks_for(num_tokens)
+        full = max(num_tokens, 0) // self.block_size
+        if self.cache is not None and len(req.block_hashes) > full:
+            # Blocks from ``full`` on will be rewritten: they must leave the cache first.
+            for b in req.block_ids[full:keep]:
+                if b in self.cache.entries:
+                    _require(self._refcount[b] == 1, f"truncate rewrites shared block {b}")
+                    self.cache.forget(b)
+            del req.block_hashes[full:]
         if keep < len(req.block_ids):
             self._release(req.block_ids[keep:])
             del req.block_ids[keep:]
@@ -111,7 +133,70 @@ class BlockManager:
         for block in reversed(blocks):
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
-                self._free.append(block)
+                if self.cache is not None and block in self.cache.entries:
+                    self.cache.evictable[block] = None  # most recently used end
+                else:
+                    self._free.append(block)
+
+    # Prefix caching --------------------------------------------------------------------------
+
+    def match_prefix(self, req: Request) -> int:
+        """Give a block-less ``req`` the cached blocks of its longest cached prefix.
+
+        At most ``req.num_tokens - 1`` tokens are reused, so at least the last known token is
+        computed and the step samples. Sets ``num_computed_tokens`` and ``block_hashes``;
+        returns the tokens reused. Counts the query in the hit-rate statistics.
+        """
+        if req.block_ids:
+            raise ValueError(f"match_prefix: {req.request_id!r} already holds blocks")
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+        cache = self.cache
+        if cache is None:
+            return 0
+        bs = self.block_size
+        tokens = req.all_token_ids
+        parent, parent_serial = ROOT_HASH, 0
+        for i in range((req.num_tokens - 1) // bs):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, chunk)
+            e = cache.lookup(h, chunk, parent_serial)
+            if e is None:
+                break
+            block = cache.block_of(e)
+            if self._refcount[block] == 0:
+                del cache.evictable[block]
+            self._refcount[block] += 1
+            req.block_ids.append(block)
+            req.block_hashes.append((h, e.serial))
+            parent, parent_serial = h, e.serial
+        req.num_computed_tokens = len(req.block_ids) * bs
+        return req.num_computed_tokens
+
+    def record_query(self, req: Request, hit_tokens: int) -> None:
+        """Count one admission's prompt in the hit-rate statistics (queried vs reused tokens)."""
+        if self.cache is not None:
+            self.cache.queried_tokens += req.num_tokens
+            self.cache.hit_tokens += hit_tokens
+
+    def register(self, req: Request) -> None:
+        """Register ``req``'s newly completed full blocks (all their K/V computed)."""
+        cache = self.cache
+        if cache is None:
+            return
+        bs = self.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        parent, parent_serial = req.block_hashes[-1] if req.block_hashes else (ROOT_HASH, 0)
+        for i in range(len(req.block_hashes), full):
+            chunk = tuple(req.token_at(j) for j in range(i * bs, (i + 1) * bs))
+            h = chain_hash(parent, chunk)
+            block = req.block_ids[i]
+            serial, displaced = cache.insert(block, h, chunk, parent_serial)
+            if displaced is not None and displaced in cache.evictable:
+                del cache.evictable[displaced]
+                self._free.append(displaced)
+            req.block_hashes.append((h, serial))
+            parent, parent_serial = h, serial
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Raise ``AssertionError`` naming the first inconsistency between pool and requests.
@@ -139,6 +224,9 @@ class BlockManager:
         free_dup = [b for b, c in Counter(self._free).items() if c > 1]
         _require(not free_dup, f"blocks {free_dup} appear more than once in the free list")
         free = set(self._free)
+        if self.cache is not None:
+            self._check_cache(free)
+            free |= set(self.cache.evictable)
         _require(SCRATCH_BLOCK not in free, "scratch block 0 is in the free list")
         _require(
             self._refcount[SCRATCH_BLOCK] == 0,
@@ -161,6 +249,23 @@ class BlockManager:
             f"{len(free)} free + {len(used)} used != {self.num_blocks - 1} usable blocks "
             f"(leaked: {sorted(set(range(1, self.num_blocks)) - free - used)})",
         )
+
+
+    def _check_cache(self, plain_free: set[int]) -> None:
+        cache = self.cache
+        assert cache is not None
+        for b in cache.evictable:
+            _require(b in cache.entries, f"evictable block {b} is not registered")
+            _require(self._refcount[b] == 0, f"evictable block {b} has refcount {self._refcount[b]}")
+            _require(b not in plain_free, f"block {b} is both evictable and plain free")
+        for b in cache.entries:
+            _require(0 < b < self.num_blocks, f"cache holds out-of-range block {b}")
+            _require(b not in plain_free, f"registered block {b} is in the plain free list")
+            _require(self._refcount[b] > 0 or b in cache.evictable,
+                     f"unheld registered block {b} is not evictable")
+        for h, b in cache.by_hash.items():
+            _require(b in cache.entries and cache.entries[b].hash == h,
+                     f"hash index points at block {b}, which is not registered under it")
 
 
 def _require(ok: bool, message: str) -> None:

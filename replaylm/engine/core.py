@@ -9,8 +9,8 @@ from typing import Any
 
 from replaylm.config import EngineArgs
 from replaylm.engine.block_manager import BlockManager
-from replaylm.engine.detokenizer import IncrementalDetokenizer
 from replaylm.engine.model_runner import ModelRunner
+from replaylm.engine.output_processor import OutputState, attach_logprobs, make_delta
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.request import Request, RequestStatus
 from replaylm.engine.scheduler import Scheduler
@@ -88,7 +88,8 @@ class EngineCore:
         self.tokenizer = load_tokenizer(args, model_dir)
         self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len)
         self.graph_mode = self.runner.graph_mode
-        self.block_manager = BlockManager(self.runner.num_blocks)
+        self.block_manager = BlockManager(self.runner.num_blocks,
+                                          enable_prefix_caching=args.enable_prefix_caching)
         if (self.runner.num_blocks - 1) * self.block_manager.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {(self.runner.num_blocks - 1) * 16} tokens, fewer than "
@@ -103,8 +104,9 @@ class EngineCore:
         )
         self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
                                  graph_mode=self.graph_mode, graphs=self.runner.graphs.stats)
-        self.requests: dict[str, Request] = {}
-        self.detok: dict[str, IncrementalDetokenizer] = {}
+        # Caller's request id -> its requests (one, or the n siblings of n > 1).
+        self.requests: dict[str, list[Request]] = {}
+        self.outputs: dict[Request, OutputState] = {}
         self._arrivals = itertools.count()
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
@@ -150,6 +152,8 @@ class EngineCore:
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        validate_features(params, self.args, self.model_config.vocab_size,
+                          has_tokenizer=self.tokenizer is not None)
 
     def add_request(
         self,
@@ -170,30 +174,43 @@ class EngineCore:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else (self.args.seed * 1_000_003 + arrival)
-        req = Request(
-            request_id, ids, params, arrival=arrival, seed=seed,
-            eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
-            prompt=prompt if isinstance(prompt, str) else None,
-        )
-        self.requests[request_id] = req
-        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self.scheduler.add(req)
+        internal = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [i for i in internal if i in self.scheduler.unfinished_ids]
+        if taken:
+            self.stats.requests_rejected += 1
+            raise ValueError(f"request_id {taken[0]!r} is already in use")
+        group = []
+        for i, rid in enumerate(internal):
+            req = Request(
+                rid, ids, params, arrival=arrival, seed=sibling_seed(seed, i),
+                eos_token_ids=self.model_config.eos_token_ids, max_tokens=max_tokens,
+                prompt=prompt if isinstance(prompt, str) else None,
+                parent_id=request_id, index=i,
+            )
+            req.leader = group[0] if group else None
+            group.append(req)
+            self.outputs[req] = OutputState(req, self.tokenizer)
+            self.scheduler.add(req)
+        self.requests[request_id] = group
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(ids)
-        return req
+        return group[0]
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is unknown or already done."""
-        req = self.scheduler.abort(request_id)
-        if req is None:
+        """Stop a request (every sibling) now and free its blocks; False if unknown or done."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return False
+        aborted = [self.scheduler.abort(r.request_id) for r in group]
+        self._forget(request_id)
+        if not any(aborted):
             return False
         self.stats.requests_aborted += 1
-        self._forget(request_id)
         return True
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.detok.pop(request_id, None)
+        for req in self.requests.pop(request_id, []):
+            self.outputs.pop(req, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -209,6 +226,7 @@ class EngineCore:
             return []
         pending, dispatch, padded = self.runner.execute(out)
         sampled = pending.tokens() if pending is not None else []
+        attach_logprobs(out, pending)
         self.stats.record_step(StepRecord(
             mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
             padded_tokens=padded, num_reqs=len(out.scheduled), fallback_reason=dispatch.reason,
@@ -221,25 +239,56 @@ class EngineCore:
         return deltas
 
     def _delta(self, req: Request) -> RequestDelta:
-        detok = self.detok[req.request_id]
-        new_ids = req.output_token_ids[len(detok.ids):]
-        text = detok.step(new_ids)
-        finished = req.is_finished
-        if finished:
-            text += detok.flush()
-            self.stats.requests_finished += 1
-            self._forget(req.request_id)
-        self.stats.generated_tokens += len(new_ids)
-        return RequestDelta(req.request_id, new_ids, text, finished, req.status.finish_reason)
+        delta = make_delta(req, self.outputs[req], self.scheduler)
+        self.stats.generated_tokens += len(delta.new_token_ids)
+        if delta.finished:
+            self.outputs.pop(req, None)
+            group = self.requests.get(req.parent_id, [])
+            if all(r.is_finished for r in group):
+                self.stats.requests_finished += 1
+                self.requests.pop(req.parent_id, None)
+        return delta
 
     def _refresh_gauges(self) -> None:
         self.stats.running = self.scheduler.num_running
         self.stats.waiting = self.scheduler.num_waiting
         self.stats.kv_blocks_used = self.block_manager.num_used_blocks
+        cache = self.block_manager.cache
+        if cache is not None:
+            self.stats.prefix_cache_queried_tokens = cache.queried_tokens
+            self.stats.prefix_cache_hit_tokens = cache.hit_tokens
+            self.stats.kv_blocks_cached = len(cache.entries)
 
     def detokenized_text(self, request_id: str) -> str:
-        d = self.detok.get(request_id)
-        return d.text if d is not None else ""
+        """Text released so far for a running request (sibling 0 with n > 1)."""
+        group = self.requests.get(request_id)
+        state = self.outputs.get(group[0]) if group else None
+        return state.text[: state.stop.sent] if state is not None else ""
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """Sibling ``index``'s seed: sibling 0 keeps the request's seed (so ``n=1`` and the first of
+    ``n`` agree); the others get distinct streams derived from ``(seed, index)``."""
+    if index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
+
+
+def validate_features(params: SamplingParams, args: EngineArgs, vocab_size: int,
+                      has_tokenizer: bool) -> None:
+    """Engine-dependent limits of a request's sampling settings."""
+    if params.stop and not has_tokenizer:
+        raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs on token ids): "
+                         "use stop_token_ids")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > args.max_logprobs:
+            raise ValueError(f"SamplingParams.{name}={k} is invalid: must be <= "
+                             f"EngineArgs.max_logprobs={args.max_logprobs}")
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"SamplingParams.logit_bias={params.logit_bias!r} is invalid: token id "
+                         f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 __all__ = ["EngineCore", "RequestStatus"]

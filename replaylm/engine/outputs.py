@@ -4,16 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from replaylm.sampling.logprobs import TokenLogprobs
+
 
 @dataclass
 class RequestDelta:
-    """What one ``step()`` produced for one request, ready to stream."""
+    """What one ``step()`` produced for one request (one sibling, with ``n > 1``), to stream.
+
+    - ``request_id``: the id given to ``add_request``; with ``n > 1`` every sibling reports
+      under it, told apart by ``index`` (0 .. n-1).
+    - ``new_token_ids``: tokens generated this step (usually one).
+    - ``new_text``: text that became final this step. Text is held back while it may still be
+      part of a stop string or an incomplete UTF-8 character; a matched stop string is never
+      included (unless ``include_stop_str_in_output``).
+    - ``finished`` / ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``) / ``stop_reason``
+      (the stop string or stop token id that ended it; ``None`` for EOS or other reasons). A
+      finished request's blocks are already freed when the delta is returned.
+    - ``logprobs``: with ``SamplingParams.logprobs``, one ``TokenLogprobs`` per new token
+      (``token_id``, ``logprob``, ``rank``, ``top`` = {token id: logprob} of the top-k).
+    - ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, on the sibling-0 delta that
+      carries the first token: ``None`` for the first prompt token, then one ``TokenLogprobs``
+      per prompt token.
+    - ``num_prompt_tokens``: prompt length (for usage accounting).
+    """
 
     request_id: str
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    index: int = 0
 
 
 @dataclass
@@ -22,6 +46,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -31,3 +57,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -48,6 +48,8 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int = 16,
         prompt: str | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -66,6 +68,20 @@ class Request:
         # (-1: none does, e.g. after a preemption); only then may a step read it from there.
         self.device_token_slot: int = -1
         self.num_preemptions = 0
+        # n > 1: siblings share ``parent_id`` (the caller's id) and differ in ``index``; a
+        # sibling waits for ``leader`` (index 0) to compute the prompt, then shares its blocks.
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.leader: Request | None = None
+        # Prompt logprobs are computed once per parent, by sibling 0.
+        self.prompt_logprobs_k: int | None = (
+            sampling_params.prompt_logprobs if index == 0 else None
+        )
+        self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.., as computed
+        self.output_logprobs: list = []  # TokenLogprobs per output token (if requested)
+        # Prefix caching: hashes of the request's full blocks registered so far (chain order).
+        self.block_hashes: list[tuple[int, int]] = []  # (chain hash, cache entry serial)
+        self.stop_reason: int | str | None = None  # the stop token or string that ended it
 
     @property
     def num_prompt_tokens(self) -> int:

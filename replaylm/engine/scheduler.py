@@ -166,13 +166,21 @@ class Scheduler:
         # After a preemption the pool is tight: admitting now would only evict again next step.
         while self.waiting and budget > 0 and self._free_slots and not out.preempted:
             req = self.waiting[0]
+            if self._waits_for_leader(req):
+                break  # FCFS: nothing overtakes it, and the leader's prefill is under way
+            hit = self._reuse_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
+                    bm.free(req)  # give reused blocks back (they stay cached)
+                    req.num_computed_tokens = 0
                     break
                 n = budget
             if not bm.allocate(req, req.num_computed_tokens + n):
+                bm.free(req)
+                req.num_computed_tokens = 0
                 break
+            bm.record_query(req, hit)
             self.waiting.popleft()
             req.slot = heapq.heappop(self._free_slots)
             req.status = RequestStatus.RUNNING
@@ -197,6 +205,7 @@ class Scheduler:
                 continue  # aborted (or otherwise finished) while the step ran
             assert req.num_computed_tokens == s.start, f"{req!r} moved since scheduled at {s.start}"
             req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.register(req)  # before any finish frees (and caches) the blocks
             if token is None:
                 continue
             req.output_token_ids.append(token)
@@ -225,6 +234,26 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledRequest(req, n, start, sample=start + n == req.num_tokens)
 
+    @staticmethod
+    def _waits_for_leader(req: Request) -> bool:
+        """An n > 1 sibling waits until its leader has computed the prompt, then shares it."""
+        leader = req.leader
+        return (leader is not None and leader.status is RequestStatus.RUNNING
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
+
+    def _reuse_prefix(self, req: Request) -> int:
+        """Start ``req`` on already computed blocks (prefix cache, or its n > 1 leader's)."""
+        bm = self.block_manager
+        if req.prompt_logprobs_k is not None \
+                and len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+            return 0  # every prompt position must run to score it
+        if bm.cache is not None:
+            return bm.match_prefix(req)
+        leader = req.leader
+        if leader is not None and leader.status is RequestStatus.RUNNING:
+            return bm.share(leader, req)
+        return 0
+
     def _preempt(self, req: Request) -> None:
         # Recompute, not swap: the request keeps its outputs and recomputes all known tokens.
         self.running.remove(req)
@@ -242,7 +271,11 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if (token in req.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        stop_token = (token in req.eos_token_ids and not params.ignore_eos) \
+            or token in params.stop_token_ids
+        if stop_token and req.num_output_tokens > params.min_tokens:
+            # vLLM's convention: EOS leaves stop_reason None, a stop token id is reported.
+            req.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
