@@ -37,6 +37,9 @@ _HELP: dict[str, str] = {
     "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
     "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
     "skip_tokenizer_init": "run on token ids alone (no tokenizer)",
+    "enable_prefix_caching": "reuse the KV blocks of repeated prompt prefixes (automatic "
+    "prefix caching)",
+    "max_logprobs": "largest logprobs / prompt_logprobs a request may ask for",
     "attention_backend": "auto (triton on CUDA when available, else torch), torch, "
     "torch_dense (graph-safe torch) or triton",
     "graph_tiers": "comma-separated graph tiers (e.g. 1,2,4,8,16), or auto:TRACE.json to fit "
@@ -69,6 +72,8 @@ class EngineArgs:
     cuda_graph_mode: str | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
     attention_backend: str = "auto"
     graph_tiers: str | None = None
     max_graph_tokens: int = 512
@@ -86,6 +91,9 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"EngineArgs.max_logprobs={self.max_logprobs!r} is invalid: "
+                             "must be an integer >= 0")
         _positive("max_graph_tokens", self.max_graph_tokens)
         if self.max_graphs is not None:
             _positive("max_graphs", self.max_graphs)

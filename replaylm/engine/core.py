@@ -243,8 +243,8 @@ class EngineCore:
         self.stats.generated_tokens += len(delta.new_token_ids)
         if delta.finished:
             self.outputs.pop(req, None)
-            group = self.requests.get(req.parent_id, [])
-            if all(r.is_finished for r in group):
+            group = self.requests.get(req.parent_id)
+            if group is not None and all(r.is_finished for r in group):
                 self.stats.requests_finished += 1
                 self.requests.pop(req.parent_id, None)
         return delta

@@ -60,6 +60,35 @@ class LLM:
         capture seconds and graph memory."""
         return self.engine.runner.graphs.stats.as_dict()
 
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or
+        to a list of conversations, through the tokenizer's chat template.
+
+        The rendered template is encoded without adding special tokens: templates begin with
+        BOS themselves, and the tokenizer's own BOS would double it.
+        """
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (this engine runs on token ids alone)")
+        conversations = [messages] if _is_conversation(messages) else list(messages)
+        prompts: list[Prompt] = []
+        for i, conv in enumerate(conversations):
+            if not _is_conversation(conv):
+                raise ValueError(f"conversation {i} must be a non-empty list of message dicts")
+            text = tok.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            prompts.append(tok.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -86,7 +115,8 @@ class LLM:
             self.engine.add_request(rid, ids, sp)
             outputs[rid] = RequestOutput(
                 rid, prompt if isinstance(prompt, str) else None, ids,
-                [CompletionOutput(0, "", [], None)],
+                [CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None
+                                  else None) for i in range(sp.n)],
             )
             order.append(rid)
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
@@ -94,13 +124,19 @@ class LLM:
             while self.engine.has_unfinished():
                 for d in self.engine.step():
                     out = outputs[d.request_id]
-                    comp = out.outputs[0]
+                    comp = out.outputs[d.index]
                     comp.token_ids.extend(d.new_token_ids)
                     comp.text += d.new_text
+                    if d.logprobs is not None and comp.logprobs is not None:
+                        comp.logprobs.extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        out.prompt_logprobs = d.prompt_logprobs
                     if d.finished:
                         comp.finish_reason = d.finish_reason
-                        out.finished = True
-                        bar.update(1)
+                        comp.stop_reason = d.stop_reason
+                        if all(c.finish_reason is not None for c in out.outputs):
+                            out.finished = True
+                            bar.update(1)
         except BaseException:
             for rid in order:  # leave nothing running (and no blocks held) behind
                 self.engine.abort(rid)
@@ -108,6 +144,11 @@ class LLM:
         finally:
             bar.close()
         return [outputs[rid] for rid in order]
+
+
+def _is_conversation(x: Any) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and bool(x) \
+        and all(isinstance(m, dict) for m in x)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -102,6 +102,11 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     @property
+    def unfinished_ids(self):
+        """Ids of the requests queued or running (a live view)."""
+        return self._unfinished.keys()
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

@@ -32,6 +32,11 @@ class EngineStats:
     graph_mode: str = "eager"
     steps_by_mode: dict[str, int] = field(default_factory=dict)
     last_step: StepRecord | None = None
+    # Prefix caching: prompt (+ recomputed output) tokens looked up at admission, and how many
+    # of them were served from cached blocks; cached blocks include unheld (evictable) ones.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    kv_blocks_cached: int = 0
     graphs: object | None = None  # the graph runtime's GraphStats (hits, padding, capture)
 
     def record_step(self, rec: StepRecord) -> None:
@@ -43,9 +48,14 @@ class EngineStats:
     def kv_usage(self) -> float:
         return self.kv_blocks_used / max(1, self.kv_blocks_total)
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / max(1, self.prefix_cache_queried_tokens)
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["kv_usage"] = round(self.kv_usage, 4)
+        d["prefix_cache_hit_rate"] = round(self.prefix_cache_hit_rate, 4)
         if self.graphs is not None:
             d["graphs"] = self.graphs.as_dict()
         return d

@@ -79,6 +79,7 @@ def test_engine_backends_agree_on_gpu(tiny_checkpoint):
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(path), dtype="float32", attention_backend=backend, num_kv_blocks=128,
+                  enforce_eager=True,
                   skip_tokenizer_init=True, max_num_batched_tokens=40)
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.engine.block_manager.num_used_blocks == 0
