@@ -51,6 +51,7 @@ class DecodeRow:
     floor_share: float | None = None
     graph_nodes: int | None = None
     weight_bytes: int | None = None
+    graphs: dict[str, Any] | None = None  # the engine's graph stats after this run
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,8 +199,10 @@ def run_decode_bench(
         args = engine_args_for_mode(base, mode)
         start = time.perf_counter()
         llm = LLM.from_engine_args(args)
+        g = llm.graph_stats()
         log(f"[bench] mode={llm.graph_mode} engine ready in {time.perf_counter() - start:.1f} s "
-            f"on {llm.device}")
+            f"on {llm.device}; captured {g['num_graphs']} graphs in {g['capture_seconds']} s, "
+            f"{g['graph_mib']} MiB")
         device_name = device_name_of(llm.device)
         for bs in batch_sizes:
             if bs == 1:
@@ -208,6 +211,7 @@ def run_decode_bench(
                 # Batched runs take one timed call: the protocol has no best-of for them.
                 row = bench_batched(llm, bs, batched_prompt_len, new_tokens, 1, seed)
             log(f"[bench] mode={row.mode} batch={bs}: {row.tok_s:,.1f} tok/s")
+            row.graphs = llm.graph_stats()
             rows.append(row)
         del llm
         release_memory()

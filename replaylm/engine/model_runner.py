@@ -44,7 +44,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 #: The mode ``cuda_graph_mode=None`` picks on a GPU (see README, "CUDA graphs").
-DEFAULT_GPU_GRAPH_MODE = "ragged"
+DEFAULT_GPU_GRAPH_MODE = "full"
 WHOLE_MODEL_MODES = ("full", "full_and_piecewise", "ragged")
 
 
