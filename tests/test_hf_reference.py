@@ -5,40 +5,17 @@ from __future__ import annotations
 import torch
 
 from replaylm import LLM, SamplingParams
-from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata
 from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.engine.core import load_model_config
-from replaylm.model.loader import load_model
-
-
-def _our_model(path, num_blocks=64):
-    cfg, _ = load_model_config(str(path))
-    model = load_model(cfg, path, "auto", torch.float32, torch.device("cpu"), seed=0)
-    pool = torch.zeros(cfg.num_layers, 2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    model.bind(TorchAttentionBackend(), [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)],
-               cfg.max_position_embeddings)
-    return model
-
-
-def _meta(start: int, n: int, blocks: list[int]) -> AttentionMetadata:
-    pos = torch.arange(start, start + n)
-    bt = torch.tensor(blocks, dtype=torch.int32)
-    slots = bt[pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    return AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-        kv_lens=torch.tensor([start + n], dtype=torch.int32),
-        block_table=bt[None], slot_mapping=slots, num_tokens=n, num_reqs=1,
-        max_q_len=n, max_kv_len=start + n, cu_seqlens_q_cpu=[0, n], kv_lens_cpu=[start + n],
-    )
+from tests.model_helpers import bound_model, one_request_meta
 
 
 @torch.no_grad()
 def test_logits_match_prefill_and_32_decode_steps(tiny_checkpoint):
     kind, path, ref = tiny_checkpoint
-    model = _our_model(path)
+    model = bound_model(path, TorchAttentionBackend())
     blocks = [3, 7, 1, 9, 4, 5]  # scattered, non-monotonic blocks exercise the block table
     prompt = torch.randint(3, 256, (19,), generator=torch.Generator().manual_seed(1))
-    hidden = model(prompt, torch.arange(19), _meta(0, 19, blocks))
+    hidden = model(prompt, torch.arange(19), one_request_meta(0, 19, blocks))
     ours = model.compute_logits(hidden)
     theirs = ref(prompt[None]).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
@@ -47,7 +24,7 @@ def test_logits_match_prefill_and_32_decode_steps(tiny_checkpoint):
         nxt = int(ours[-1].argmax())
         seq.append(nxt)
         pos = len(seq) - 1
-        hidden = model(torch.tensor([nxt]), torch.tensor([pos]), _meta(pos, 1, blocks))
+        hidden = model(torch.tensor([nxt]), torch.tensor([pos]), one_request_meta(pos, 1, blocks))
         ours = model.compute_logits(hidden)
         theirs = ref(torch.tensor(seq)[None]).logits[0, -1:]
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4, msg=f"{kind} step {step}")

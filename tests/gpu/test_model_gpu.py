@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from replaylm import LLM, SamplingParams
-from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata
-from replaylm.engine.core import load_model_config
 from replaylm.engine.model_runner import make_attention_backend
-from replaylm.model.loader import load_model
+from tests.model_helpers import bound_model, one_request_meta
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,28 +15,6 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-
-
-def _model(path, backend, dtype=torch.bfloat16, num_blocks=64):
-    cfg, _ = load_model_config(str(path))
-    model = load_model(cfg, path, "auto", dtype, DEV, seed=0)
-    pool = torch.zeros(cfg.num_layers, 2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype, device=DEV)
-    model.bind(backend, [(pool[i, 0], pool[i, 1]) for i in range(cfg.num_layers)],
-               cfg.max_position_embeddings)
-    return model
-
-
-def _meta(start: int, n: int, blocks: list[int]) -> AttentionMetadata:
-    pos = torch.arange(start, start + n)
-    bt = torch.tensor(blocks, dtype=torch.int32)
-    slots = bt[pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    return AttentionMetadata(
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=DEV),
-        kv_lens=torch.tensor([start + n], dtype=torch.int32, device=DEV),
-        block_table=bt[None].to(DEV), slot_mapping=slots.to(DEV), num_tokens=n, num_reqs=1,
-        max_q_len=n, max_kv_len=start + n, cu_seqlens_q_cpu=[0, n], kv_lens_cpu=[start + n],
-    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -49,11 +25,11 @@ def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
 
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
                                                attn_implementation="sdpa").to(DEV).eval()
-    model = _model(path, make_attention_backend(backend, DEV))
+    model = bound_model(path, make_attention_backend(backend, DEV), torch.bfloat16, DEV)
     blocks = [3, 7, 1, 9, 4, 5]
     prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(1))
     ours = model.compute_logits(model(prompt.to(DEV), torch.arange(37, device=DEV),
-                                      _meta(0, 37, blocks)))
+                                      one_request_meta(0, 37, blocks, DEV)))
     theirs = ref(prompt[None].to(DEV)).logits[0].float()
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() < 0.03 * scale + 0.02
@@ -65,7 +41,8 @@ def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
         seq.append(nxt)
         pos = len(seq) - 1
         ours = model.compute_logits(model(torch.tensor([nxt], device=DEV),
-                                          torch.tensor([pos], device=DEV), _meta(pos, 1, blocks)))
+                                          torch.tensor([pos], device=DEV),
+                                          one_request_meta(pos, 1, blocks, DEV)))
         theirs = ref(torch.tensor(seq, device=DEV)[None]).logits[0, -1:].float()
         assert (ours - theirs).abs().max() < 0.03 * theirs.abs().max() + 0.02
     assert agree >= 28
