@@ -48,6 +48,8 @@ _HELP: dict[str, str] = {
     "max_graphs": "graph budget for --graph-tiers auto:TRACE.json",
     "graph_check": "every Nth graph step is also run eagerly on the same padded batch and "
     "compared bit for bit (0 = off)",
+    "fused_kernels": "fused Triton kernels for norms, SiLU and rotary+KV write (CUDA with the "
+    "triton attention backend)",
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
 }
 
@@ -80,6 +82,7 @@ class EngineArgs:
     max_graphs: int | None = None
     graph_check: int = 0
     poison_padding: bool = False
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)

@@ -100,7 +100,7 @@ class ModelRunner:
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.model.poison_padding = args.poison_padding
         # Fused Triton kernels for the dense links go with the Triton attention backend.
-        self.model.use_fused_kernels(self.attn.name == "triton")
+        self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
         self.sampling = self.sampler.state
         self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
