@@ -258,6 +258,7 @@ class EngineCore:
             self.stats.prefix_cache_queried_tokens = cache.queried_tokens
             self.stats.prefix_cache_hit_tokens = cache.hit_tokens
             self.stats.kv_blocks_cached = len(cache.entries)
+            self.stats.prefix_cache_evictions = cache.evictions
 
     def detokenized_text(self, request_id: str) -> str:
         """Text released so far for a running request (sibling 0 with n > 1)."""

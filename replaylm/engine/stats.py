@@ -37,6 +37,7 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     kv_blocks_cached: int = 0
+    prefix_cache_evictions: int = 0
     graphs: object | None = None  # the graph runtime's GraphStats (hits, padding, capture)
 
     def record_step(self, rec: StepRecord) -> None:

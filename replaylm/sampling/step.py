@@ -1,0 +1,133 @@
+"""One step's sampling tail: logit processing, sampling, logprobs, and the copy to the host.
+
+The runner calls ``StepSampler.run`` once, right after ``compute_logits``. Rows ``[0, L)`` of
+the logits are the sampled rows (``batch.sample_slots``); rows after them, if any, are the
+prompt-logprob rows of ``batch.prompt_logprobs``. Which optional parts run is decided from
+host-side per-slot mirrors, so a batch that uses none of them runs the plain ``sample`` path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replaylm.sampling.logprobs import DeviceLogprobs, TokenLogprobs, device_logprobs
+from replaylm.sampling.penalties import LogitsProcessorState
+from replaylm.sampling.sampler import SamplingState, sample
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Prompt-logprob rows of one step: packed rows, the prompt token each row scores, top-k.
+
+    ``spans`` lists ``(request, count)`` in row order: the request's next ``count`` prompt
+    logprobs come from these rows.
+    """
+
+    rows: torch.Tensor  # [P] int64, packed row indices (device)
+    targets: torch.Tensor  # [P] int64, prompt token at position row + 1 (device)
+    ks: list[int]  # [P] top-k per row (host)
+    spans: list[tuple[Any, int]]
+
+
+@dataclass
+class PendingStep:
+    """Results of a launched step; the accessors wait for the copies to the host first."""
+
+    device_tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    event: torch.cuda.Event | None
+    sample_logprobs: DeviceLogprobs | None = None
+    sample_ks: list[int | None] | None = None
+    prompt_logprobs: DeviceLogprobs | None = None
+    prompt_ks: list[int] | None = None
+    prompt_spans: list[tuple[Any, int]] | None = None  # the plan's (request, count) pairs
+
+    def _wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    def tokens(self) -> list[int]:
+        self._wait()
+        return self.host_tokens.tolist()
+
+    def sampled_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Per sampled row: its logprobs, or ``None`` where that request did not ask."""
+        if self.sample_logprobs is None:
+            return None
+        self._wait()
+        return self.sample_logprobs.rows(self.sample_ks or [])
+
+    def prompt_logprob_rows(self) -> list[TokenLogprobs]:
+        if self.prompt_logprobs is None:
+            return []
+        self._wait()
+        return self.prompt_logprobs.rows(self.prompt_ks or [])  # type: ignore[return-value]
+
+
+class StepSampler:
+    """Per-slot device state for sampling (``SamplingState``, ``LogitsProcessorState``) and the
+    host-side logprob settings, plus the per-step sampling tail."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+        self.device = device
+        self.state = SamplingState(max_num_seqs, device)
+        self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
+        self._logprobs_k: list[int | None] = [None] * max_num_seqs
+
+    def admit(self, req: Any) -> None:
+        """Write a newly slotted request's settings into its slot (outside any graph)."""
+        p = req.sampling_params
+        self.state.set(req.slot, p, req.seed)
+        self.procs.set(req.slot, p, req.prompt_token_ids, req.output_token_ids,
+                       () if p.ignore_eos else req.eos_token_ids)
+        self._logprobs_k[req.slot] = p.logprobs
+
+    def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
+            slots_cpu: list[int], plan: PromptLogprobPlan | None) -> PendingStep:
+        """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
+
+        Returns the step's results with their host copies started (CUDA: pinned memory,
+        non-blocking, one event recorded after all of them).
+        """
+        num_sampled = len(slots_cpu)
+        raw = logits[:num_sampled]
+        if num_sampled:
+            x = raw
+            if self.procs.active(slots_cpu):
+                x = self.procs.apply(raw, sample_slots, sample_out_pos, self.state.temperature,
+                                     slots_cpu)
+            tokens = sample(
+                x, sample_slots, sample_out_pos, self.state,
+                all_greedy=self.state.all_greedy(slots_cpu),
+                need_filter=self.state.needs_filter(slots_cpu),
+            )
+            self.procs.record(sample_slots, tokens, slots_cpu)
+        else:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        ks = [self._logprobs_k[s] for s in slots_cpu]
+        sample_lp = None
+        if any(k is not None for k in ks):
+            sample_lp = device_logprobs(raw, tokens, max(k for k in ks if k is not None))
+        prompt_lp = None
+        if plan is not None:
+            prompt_lp = device_logprobs(logits[num_sampled:], plan.targets, max(plan.ks))
+        pin = self.device.type == "cuda"
+        host_tokens = tokens
+        event = None
+        if pin:
+            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host_tokens.copy_(tokens, non_blocking=True)
+        if sample_lp is not None:
+            sample_lp = sample_lp.to_host(pin)
+        if prompt_lp is not None:
+            prompt_lp = prompt_lp.to_host(pin)
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(tokens, host_tokens, event, sample_lp, ks if sample_lp is not None else None,
+                           prompt_lp, plan.ks if plan is not None else None,
+                           plan.spans if plan is not None else None)
