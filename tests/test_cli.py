@@ -10,7 +10,8 @@ from replaylm.cli.main import main
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["generate"], ["demo"], ["bench"], ["bench", "decode"]], ids=" ".join
+    "argv", [[], ["generate"], ["demo"], ["serve"], ["bench"], ["bench", "decode"]],
+    ids=" ".join
 )
 def test_help_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

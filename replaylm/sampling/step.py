@@ -77,6 +77,12 @@ class StepSampler:
         self.state = SamplingState(max_num_seqs, device)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
         self._logprobs_k: list[int | None] = [None] * max_num_seqs
+        # One pinned buffer and one event, reused: allocating pinned memory every step costs
+        # about as much as a small model's whole step. Reuse is safe because each step's tokens
+        # are read on the host before the next step is launched.
+        self._pinned = (torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
+                        if device.type == "cuda" else None)
+        self._ready = torch.cuda.Event() if device.type == "cuda" else None
 
     def admit(self, req: Any) -> None:
         """Write a newly slotted request's settings into its slot (outside any graph)."""
@@ -119,14 +125,14 @@ class StepSampler:
         host_tokens = tokens
         event = None
         if pin:
-            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host_tokens = self._pinned[: tokens.shape[0]]
             host_tokens.copy_(tokens, non_blocking=True)
         if sample_lp is not None:
             sample_lp = sample_lp.to_host(pin)
         if prompt_lp is not None:
             prompt_lp = prompt_lp.to_host(pin)
         if pin:
-            event = torch.cuda.Event()
+            event = self._ready
             event.record()
         return PendingStep(tokens, host_tokens, event, sample_lp, ks if sample_lp is not None else None,
                            prompt_lp, plan.ks if plan is not None else None,

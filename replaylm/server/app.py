@@ -1,0 +1,186 @@
+"""The FastAPI application: OpenAI endpoints over one ``EngineLoop``.
+
+Request handling order matters for robustness: parse and validate the body (400), check the
+model (400), take admission slots (503 + Retry-After), and only then touch the engine. Every
+failure path answers OpenAI's error JSON; nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.requests import Request as HTTPRequest
+
+from replaylm.engine.core import EngineCore
+from replaylm.engine.outputs import RequestDelta
+from replaylm.server.engine_loop import EngineLoop, NotAccepting
+from replaylm.server.generation import Generation, GenerationStream
+from replaylm.server.metrics import CONTENT_TYPE, ServerMetrics
+from replaylm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    engine_supports,
+    from_validation_error,
+    from_value_error,
+    native_n_supported,
+    sampling_params,
+)
+from replaylm.server.responses import LogprobFormatter, Shapes
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1  # a queue slot frees as soon as any in-flight request ends
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def logprobs_supported() -> bool:
+    """Logprobs need both the request field and the engine's per-delta entries."""
+    delta_fields = {f.name for f in dataclasses.fields(RequestDelta)}
+    return engine_supports("logprobs") and "logprobs" in delta_fields
+
+
+def chat_prompt_ids(core: EngineCore, messages: list[dict[str, str]]) -> list[int]:
+    """The tokenizer's chat template applied to ``messages`` (runs on the engine thread)."""
+    tok = core.tokenizer
+    if tok is None:
+        raise APIError("this engine has no tokenizer, so it cannot apply a chat template",
+                       param="messages")
+    if not getattr(tok, "chat_template", None):
+        raise APIError("this model's tokenizer has no chat template: use /v1/completions",
+                       param="messages")
+    try:
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja raises its own types for templates that refuse a message
+        raise APIError(f"messages rejected by the chat template: {e}", param="messages") from e
+    if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def build_app(core: EngineCore, max_queue: int = 1024,
+              served_model_name: str | None = None) -> FastAPI:
+    """An app serving ``core``; its engine loop starts and stops with the app's lifespan."""
+    served = served_model_name or core.args.model
+    aliases = {served, core.args.model, core.model_config.name}
+    metrics = ServerMetrics(core.stats, lambda: engine.in_flight)
+    engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
+    with_logprobs = logprobs_supported()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="replaylm", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.served_model_name = served
+    # Whether the engine runs n > 1 siblings itself; if not, the server fans choices out.
+    app.state.native_n = native_n_supported()
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, e: APIError) -> JSONResponse:
+        metrics.http_error(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: HTTPRequest, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        metrics.http_error(500)
+        err = APIError(f"internal error: {type(e).__name__}: {e}", status=500,
+                       type_="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    async def parse(request: HTTPRequest, model: type[Body]) -> Body:
+        raw = await request.body()
+        try:
+            body = model.model_validate_json(raw)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        if body.model is not None and body.model not in aliases:
+            raise APIError(f"model {body.model!r} does not exist: this server serves {served!r}",
+                           param="model", code="model_not_found")
+        return body
+
+    async def generate(request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest,
+                       prompts: list[str | list[int]] | None) -> Any:
+        chat = isinstance(body, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        try:  # every choice's params first: a bad value must not leave siblings running
+            if app.state.native_n or body.n == 1:
+                params = [sampling_params(body, 0, with_logprobs, n=body.n)]
+            else:
+                params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
+        except ValueError as e:
+            raise from_value_error(e, param) from e
+        k = body.n * (1 if prompts is None else len(prompts))
+        if not engine.admit(k):
+            why = "shutting down" if not engine.accepting else f"queue full ({engine.max_queue})"
+            raise APIError(f"server busy: {why}; retry later", status=503, type_="server_error",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        top_k = params[0].logprobs if with_logprobs and params[0].logprobs is not None else None
+        lp = None if top_k is None else LogprobFormatter(core.tokenizer, chat, top_k)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        shapes = Shapes(response_id, int(time.time()), served, chat)
+        gen = Generation(engine, shapes, k, body.include_usage, lp, param)
+        try:
+            if chat:
+                messages = [m.as_template_dict() for m in body.messages]
+                prompts = [await engine.call(lambda c: chat_prompt_ids(c, messages))]
+            await gen.start(prompts, params, body.n)
+        except NotAccepting:
+            gen.close()
+            raise APIError("server is shutting down", status=503, type_="server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BaseException:
+            gen.close()
+            raise
+        if body.stream:
+            return GenerationStream(gen)
+        try:
+            answer = await gen.collect(request)
+        finally:
+            gen.close()
+        return Response(status_code=499) if answer is None else JSONResponse(answer)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Any:
+        body = await parse(request, CompletionRequest)
+        return await generate(request, body, body.prompts())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Any:
+        body = await parse(request, ChatCompletionRequest)
+        return await generate(request, body, None)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served, "object": "model", "created": 0, "owned_by": "replaylm",
+            "max_model_len": core.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

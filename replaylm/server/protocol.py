@@ -1,0 +1,229 @@
+"""Request bodies of the OpenAI API (pydantic), their errors, and the mapping to ``SamplingParams``.
+
+Bodies are parsed strictly (a string where a number belongs is an error, as with OpenAI) and
+every failure becomes an :class:`APIError` that names the offending field in ``param``. Range
+checks live in ``SamplingParams`` alone, whose ``ValueError`` messages name the field too, so
+the server and ``LLM`` accept exactly the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from replaylm.sampling_params import SamplingParams
+
+MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+# Fields the engine gained (or will gain) over time; None/neutral values are never sent, so an
+# engine without the field still serves every request that does not use it.
+_NEUTRAL: dict[str, Any] = {
+    "stop": [], "include_stop_str_in_output": False, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "logit_bias": {},
+    "min_tokens": 0, "logprobs": None,
+}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.headers = type_, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """The first pydantic error, with ``param`` = the top-level field it concerns."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    if first["type"] == "json_invalid":
+        return APIError(f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if not loc:
+        return APIError(f"request body is invalid: {first['msg']}")
+    return APIError(f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
+
+
+_SP_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
+
+
+def from_value_error(err: ValueError, prompt_param: str = "prompt") -> APIError:
+    """Map the engine's ``ValueError`` (its message names the field) to a 400."""
+    msg = str(err)
+    m = _SP_FIELD.search(msg)
+    if m:
+        return APIError(msg, param=m.group(1))
+    # EngineCore.validate / tokenize phrase prompt problems as "prompt ..." (possibly behind
+    # LLM's "prompt i:" prefix); for chat the prompt is built from ``messages``.
+    if re.match(r"^(prompt|this engine has no tokenizer)", msg):
+        return APIError(msg, param=prompt_param)
+    return APIError(msg)
+
+
+def engine_supports(name: str) -> bool:
+    """Whether this build's ``SamplingParams`` has field ``name``."""
+    return name in {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingBody(BaseModel):
+    """Fields shared by both endpoints; ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``min_p``,
+    ``min_tokens``, ``repetition_penalty``, ``skip_special_tokens`` and
+    ``include_stop_str_in_output`` are vLLM-style extensions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``; ``prompt`` may be text, token ids, or a list of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if not out or any(len(x) == 0 for x in out):
+            raise APIError("prompt is empty: a request needs at least one prompt token",
+                           param="prompt")
+        if self.echo:
+            raise APIError("echo is not supported", param="echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of must equal n (ranking candidates is not supported)",
+                           param="best_of")
+        return out
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        c = self.content
+        text = c if isinstance(c, str) else "".join(p.text for p in c or [])
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+def native_n_supported() -> bool:
+    """Whether the engine runs ``n > 1`` siblings itself (deltas tell them apart by ``index``)."""
+    from replaylm.engine.outputs import RequestDelta
+
+    if "index" not in {f.name for f in dataclasses.fields(RequestDelta)}:
+        return False
+    try:
+        SamplingParams(n=2)
+    except ValueError:
+        return False
+    return True
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: int = 0,
+                    logprob_support: bool = True, n: int = 1) -> SamplingParams:
+    """The engine's params for ``body``: all ``n`` choices at once (``n > 1``, engine-run
+    siblings), or choice ``sibling`` alone (``n == 1``, the server fans choices out).
+
+    Raises :class:`APIError` for a feature this engine build lacks and ``ValueError`` (from
+    ``SamplingParams``) for a value out of range.
+    """
+    kw: dict[str, Any] = {"n": n, "ignore_eos": body.ignore_eos,
+                          "skip_special_tokens": body.skip_special_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(body, name) is not None:
+            kw[name] = getattr(body, name)
+    if isinstance(body, ChatCompletionRequest):
+        kw["max_tokens"] = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        kw["max_tokens"] = body.max_tokens
+        logprobs = body.logprobs
+    if body.stop_token_ids:
+        kw["stop_token_ids"] = body.stop_token_ids
+    if body.seed is not None:
+        # Sibling 0 keeps the seed (n=1 answers as LLM.generate does); others get distinct
+        # streams, or n seeded choices would all be the same text.
+        kw["seed"] = body.seed if sibling == 0 else _sibling_seed(body.seed, sibling)
+    optional = {
+        "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "min_p": body.min_p,
+        "logit_bias": body.logit_bias, "min_tokens": body.min_tokens, "logprobs": logprobs,
+    }
+    for name, value in optional.items():
+        if value is None or (value == _NEUTRAL[name] and name != "logprobs"):
+            continue
+        if not engine_supports(name) or (name == "logprobs" and not logprob_support):
+            raise APIError(f"{name} is not supported by this engine build yet", param=name)
+        kw[name] = value
+    return SamplingParams(**kw)
+
+
+def _sibling_seed(seed: int, i: int) -> int:
+    if not 0 <= seed < 2**63:
+        return seed  # let SamplingParams reject it, naming the field
+    return (seed + i * 0x9E3779B97F4A7C15) % 2**63
