@@ -127,6 +127,10 @@ class GraphRuntime:
                                          device, max_model_len)
             cfg = model.cfg
             dtype = model.embed_tokens.weight.dtype
+            # One logits output shared by every whole-model graph (each graph keeping its own
+            # [rows, vocab] output would cost gigabytes across the tiers).
+            self.logits_buf = torch.zeros(self.buffers.max_reqs, cfg.vocab_size, dtype=dtype,
+                                          device=device)
             if self.uses_piecewise:  # the links' static inputs/outputs, shared by every tier
                 self.q_buf = torch.zeros(top_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype,
                                          device=device)
@@ -161,7 +165,7 @@ class GraphRuntime:
         if self.mode == "eager":
             return
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        getters = self.buffers.getters()
+        getters = self.buffers.getters() | {"logits_buf": lambda: self.logits_buf}
         if self.uses_piecewise:
             getters |= {n: (lambda n=n: getattr(self, n))
                         for n in ("q_buf", "attn_buf", "res_buf", "hidden_buf")}
@@ -180,7 +184,8 @@ class GraphRuntime:
                 else:
                     g = _Graph(f"{kind}:{tier}", self.device, pool, getters)
                     batch = self._view(kind, tier)
-                    g.capture(lambda b=batch: self._whole_model(b))
+                    out = self.logits_buf[: len(batch.logits_indices)]
+                    g.capture(lambda b=batch, o=out: self._whole_model(b, o))
                     (self.full if kind == "full" else self.ragged)[tier] = g
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -204,9 +209,9 @@ class GraphRuntime:
                   b.block_table, b.logits_indices, b.sample_slots, b.sample_out_pos):
             t.zero_()
 
-    def _whole_model(self, b: ForwardBatch) -> list[torch.Tensor]:
+    def _whole_model(self, b: ForwardBatch, out: torch.Tensor | None = None) -> list[torch.Tensor]:
         hidden = self.model(b.input_ids, b.positions, b.meta)
-        return [self.model.compute_logits(hidden.index_select(0, b.logits_indices))]
+        return [self.model.compute_logits(hidden.index_select(0, b.logits_indices), out)]
 
     def _link(self, j: int, b: ForwardBatch, attn_in: torch.Tensor, res_in: torch.Tensor):
         """Dense link ``j`` of the chain: 0 is embed+before₀, the last ends in the final norm."""
@@ -262,8 +267,9 @@ class GraphRuntime:
             g = (self.full if d.kind == "full" else self.ragged)[d.tier]
             g.replay()
             logits = g.outputs[0]
-            if check:
-                self._check(key, [logits], self._whole_model(batch), "whole model")
+            if check:  # the same kernels into a scratch buffer of the same shape and dtype
+                eager = self._whole_model(batch, torch.empty_like(logits))
+                self._check(key, [logits], eager, "whole model")
         n = host.num_sampled
         if self.model.poison_padding and n and not bool(torch.isfinite(logits[:n]).all()):
             # A debugging mode, so this host sync is acceptable; it runs after the replay.

@@ -175,6 +175,10 @@ class CausalLM(nn.Module):
             q, residual = self.link(i, self.attention(i, q, meta), residual, positions, meta)
         return self.final_link(self.attention(last, q, meta), residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``hidden``'s rows: fp32, or written into ``out`` (model dtype), which lets
+        every graph share one static logits buffer instead of each keeping its own."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if out is None:
+            return torch.nn.functional.linear(hidden, weight).float()
+        return torch.mm(hidden, weight.t(), out=out)
