@@ -89,7 +89,7 @@ def build_host_batch(out: SchedulerOutput) -> HostBatch:
     for row, sr in enumerate(out.scheduled):
         req, start, n = sr.request, sr.start, sr.num_new_tokens
         base = len(ids)
-        ids.extend(req.all_token_ids[start : start + n])
+        ids.extend(req.token_slice(start, start + n))
         last_out = req.num_tokens - 1
         if req.output_token_ids and start <= last_out < start + n \
                 and req.device_token_slot == req.slot:

@@ -188,7 +188,7 @@ class BlockManager:
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
         parent, parent_serial = req.block_hashes[-1] if req.block_hashes else (ROOT_HASH, 0)
         for i in range(len(req.block_hashes), full):
-            chunk = tuple(req.token_at(j) for j in range(i * bs, (i + 1) * bs))
+            chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))
             h = chain_hash(parent, chunk)
             block = req.block_ids[i]
             serial, displaced = cache.insert(block, h, chunk, parent_serial)
