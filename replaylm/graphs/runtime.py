@@ -177,7 +177,7 @@ class GraphRuntime:
         with torch.inference_mode():
             for kind, tier in tqdm(jobs, desc=f"capturing {self.mode} graphs", unit="graph",
                                    disable=len(jobs) < 2):
-                self._dummy_batch(kind, tier)
+                self._dummy_batch()
                 if kind == "piecewise":
                     self.piecewise[tier] = [self._capture_link(j, tier, pool, getters)
                                             for j in range(self.model.cfg.num_layers + 1)]
@@ -202,7 +202,7 @@ class GraphRuntime:
         slots = min(tier, self.max_num_seqs)
         return self.buffers.view(tier, slots, slots, max_q_len=tier)
 
-    def _dummy_batch(self, kind: str, tier: int) -> None:
+    def _dummy_batch(self) -> None:
         """Fill the static buffers with an all-padding batch: every token writes block 0."""
         b = self.buffers
         for t in (b.input_ids, b.positions, b.slot_mapping, b.kv_lens, b.cu_seqlens_q,
