@@ -102,7 +102,6 @@ class ModelRunner:
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
-        self.sampling = self.sampler.state
         self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
@@ -143,7 +142,7 @@ class ModelRunner:
         """Build the sampler's cached tables now, not inside a step that may be captured."""
         logits = torch.zeros(1, self.cfg.vocab_size, device=self.device)
         zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        sample(logits, zeros, zeros, self.sampling, all_greedy=False, need_filter=True)
+        sample(logits, zeros, zeros, self.sampler.state, all_greedy=False, need_filter=True)
 
     # KV pool -------------------------------------------------------------------------------
 
