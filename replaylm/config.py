@@ -50,6 +50,8 @@ _HELP: dict[str, str] = {
     "compared bit for bit (0 = off)",
     "fused_kernels": "fused Triton kernels for norms, SiLU and rotary+KV write (CUDA with the "
     "triton attention backend)",
+    "overlap_scheduling": "build and launch step N+1 while the GPU runs step N (samples reach "
+    "the host one step late; stop checks lag one step)",
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
 }
 
@@ -83,6 +85,7 @@ class EngineArgs:
     graph_check: int = 0
     poison_padding: bool = False
     fused_kernels: bool = True
+    overlap_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)

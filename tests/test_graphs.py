@@ -140,11 +140,11 @@ def test_poisoned_padding_catches_a_planted_leak(qwen3_dir, monkeypatch):
 
     real_fill = buffers._fill
 
-    def leaky_fill(dst, src, n, pad):
+    def leaky_fill(name, dst, src, n, pad):
         # Planted bug: pad slot_mapping with the last real slot instead of the scratch block.
-        if dst.dtype == torch.int64 and len(src) and src[-1] >= 16 and pad == 0 and n > len(src):
-            return real_fill(dst, src, n, int(src[-1]))
-        return real_fill(dst, src, n, pad)
+        if name == "slot_mapping" and n > len(src):
+            return real_fill(name, dst, src, n, int(src[-1]))
+        return real_fill(name, dst, src, n, pad)
 
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm = _engine(qwen3_dir, "ragged", graph_tiers="8,32", graph_check=0)

@@ -45,11 +45,17 @@ def reference_output(req: Request, max_model_len: int) -> list[int]:
 
 
 class FakeRunner:
-    """Writes (request, position, token) into KV slots and samples from what it reads back."""
+    """Writes (request, position, token) into KV slots and samples from what it reads back.
+
+    Like the real runner it keeps each request's newest sample on its "device" (``last``): a
+    pending token (overlap scheduling) is read from there, never from the host. Blocks of a
+    request that is still in a launched step must not be handed to another request.
+    """
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
         self.kv: dict[int, tuple[str, int, int]] = {}
+        self.last: dict[str, int] = {}
 
     def run(self, out: SchedulerOutput) -> list[int]:
         for s in out.scheduled:  # every layer writes the step's K/V before attention reads
@@ -58,7 +64,8 @@ class FakeRunner:
             for pos in range(s.start, s.start + s.num_new_tokens):
                 slot = self.bm.slot(r, pos)
                 assert slot >= BLOCK_SIZE, f"{r!r} writes scratch block 0"
-                self.kv[slot] = (r.request_id, pos, r.token_at(pos))
+                tok = r.token_at(pos) if pos < r.num_known_tokens else self.last[r.request_id]
+                self.kv[slot] = (r.request_id, pos, tok)
         sampled = []
         for s in out.scheduled:
             if s.sample:
@@ -69,7 +76,27 @@ class FakeRunner:
                     assert (rid, p) == (r.request_id, pos), f"{r!r} reads {rid}@{p} at {pos}"
                     ctx.append(tok)
                 sampled.append(next_token(r.seed, ctx))
+                self.last[r.request_id] = sampled[-1]
         return sampled
+
+
+def step_sync(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner) -> list[Request]:
+    """Launch ``out`` and resolve it at once (no overlap)."""
+    sampled = runner.run(out)
+    sched.launched(out)
+    return sched.update(out, sampled)
+
+
+def check_in_flight_blocks_not_free(sched: Scheduler, inflight: SchedulerOutput | None) -> None:
+    """No block of a launched, unresolved step is back in the free pool (where the next step
+    could hand it to another request while the launched one still writes it)."""
+    if inflight is None:
+        return
+    used = {b for s in inflight.scheduled for b in s.request.block_ids}
+    freed = used & set(sched.block_manager._free)
+    assert not freed, f"blocks {sorted(freed)} of the in-flight step are free"
+    for s in inflight.scheduled:
+        assert s.request.slot >= 0, f"{s.request!r} lost its slot while in flight"
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -91,21 +118,38 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
 
 
 def drive(
-    sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000
+    sched: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000,
+    overlap: bool = False,
 ) -> list[SchedulerOutput]:
-    """Run to completion, adding each request at its arrival step; checks every step."""
+    """Run to completion, adding each request at its arrival step; checks every step.
+
+    With ``overlap`` each step is resolved only after the next one was scheduled and launched,
+    as the engine does with overlap scheduling.
+    """
     runner = FakeRunner(sched.block_manager)
     pending = sorted(arrivals, key=lambda a: a[0])
     outs, step = [], 0
-    while pending or sched.has_unfinished:
+    inflight: tuple[SchedulerOutput, list[int]] | None = None
+    while pending or sched.has_unfinished or inflight is not None:
         while pending and pending[0][0] <= step:
             sched.add(pending.pop(0)[1])
         out = sched.schedule()
         check_step(sched, out)
-        assert not out.is_empty or not sched.has_unfinished, "stalled with work left"
-        sched.update(out, runner.run(out))
+        launched = None
+        if not out.is_empty:
+            launched = (out, runner.run(out))
+            sched.launched(out)
+            outs.append(out)
+        else:
+            assert inflight is not None or not sched.has_unfinished, "stalled with work left"
+        if overlap:
+            check_in_flight_blocks_not_free(sched, inflight and inflight[0])
+            resolve, inflight = inflight, launched
+        else:
+            resolve = launched
+        if resolve is not None:
+            sched.update(*resolve)
         sched.check_integrity()
-        outs.append(out)
         step += 1
         assert step < max_steps, "did not finish"
     bm = sched.block_manager
@@ -116,6 +160,41 @@ def drive(
 def make_sched(num_blocks: int = 1000, **kw) -> Scheduler:
     args = {"max_num_seqs": 64, "max_num_batched_tokens": 4096, "max_model_len": 512} | kw
     return Scheduler(BlockManager(num_blocks), **args)
+
+
+def test_overlap_schedules_around_pending_tokens() -> None:
+    """Overlap: step N+1 is planned before N's samples arrive; nothing runs past max_tokens."""
+    sched = make_sched()
+    reqs = [make_req(f"r{i}", 5 + i, max_tokens=4, seed=i) for i in range(3)]
+    outs = drive(sched, [(0, r) for r in reqs], overlap=True)
+    # Prefill, then 3 decodes; the 4th token's step is never launched (it would be the 5th).
+    assert len(outs) == 4
+    assert all(s.sample for o in outs for s in o.scheduled)
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r, 512) and r.num_pending == 0
+        assert r.inflight == 0
+
+
+def test_overlap_stop_lags_one_step_and_parks_blocks() -> None:
+    """An EOS seen when step N resolves: the request is already in step N+1, which keeps its
+    blocks until it resolves too; its extra sample is dropped."""
+    sched = make_sched()
+    req = make_req("a", 4, max_tokens=10, eos=(7,))
+    sched.add(req)
+    out1 = sched.schedule()
+    sched.launched(out1)
+    out2 = sched.schedule()  # planned around out1's pending token
+    assert [(s.start, s.num_new_tokens) for s in out2.scheduled] == [(4, 1)]
+    sched.launched(out2)
+    assert req.num_pending == 2 and req.inflight == 2
+    blocks = list(req.block_ids)
+    assert sched.update(out1, [7]) == [req] and req.status is RequestStatus.FINISHED_STOPPED
+    assert req.block_ids == blocks and sched.num_parked == 1  # out2 still uses them
+    sched.check_integrity()
+    assert sched.update(out2, [5]) == []  # finished: the late sample is dropped
+    assert req.output_token_ids == [7] and req.block_ids == [] and sched.num_parked == 0
+    assert sched.block_manager.num_used_blocks == 0
+    sched.check_integrity()
 
 
 def test_decode_batching() -> None:
@@ -184,10 +263,11 @@ def test_max_num_seqs_and_slots() -> None:
     assert slotted == reqs  # FCFS admission, each admitted once (no preemption here)
 
 
-def test_preemption_tiny_pool_finishes_everything() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_tiny_pool_finishes_everything(overlap: bool) -> None:
     sched = make_sched(num_blocks=6, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=80)
     reqs = [make_req(f"r{i}", 10 + 3 * i, max_tokens=20, seed=i) for i in range(8)]
-    outs = drive(sched, [(0, r) for r in reqs])
+    outs = drive(sched, [(0, r) for r in reqs], overlap=overlap)
     assert sum(r.num_preemptions for r in reqs) > 0
     assert any(o.preempted for o in outs)
     for r in reqs:
@@ -204,7 +284,7 @@ def test_preempts_most_recent_and_requeues_at_front() -> None:
     runner = FakeRunner(sched.block_manager)
     out = sched.schedule()
     assert [s.request for s in out.scheduled] == [a, b, c] and not out.preempted
-    sched.update(out, runner.run(out))
+    step_sync(sched, out, runner)
     # a needs a 2nd block: c (last admitted) goes; then b needs one and, being last, preempts
     # itself. Both return to the front of the queue, in their admission order.
     out = sched.schedule()
@@ -213,7 +293,7 @@ def test_preempts_most_recent_and_requeues_at_front() -> None:
     assert list(sched.waiting) == [b, c] and c.status is RequestStatus.PREEMPTED
     assert c.slot == -1 and c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert not out.newly_slotted
-    sched.update(out, runner.run(out))
+    step_sync(sched, out, runner)
     sched.check_integrity()
 
 
@@ -227,14 +307,14 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     runner = FakeRunner(sched.block_manager)
     out = sched.schedule()
     assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 16), (b, 1)]
-    sched.update(out, runner.run(out))
+    step_sync(sched, out, runner)
     out = sched.schedule()
     assert out.preempted == [b] and [s.request for s in out.scheduled] == [a]
     assert not out.newly_slotted and list(sched.waiting) == [b]
-    sched.update(out, runner.run(out))
+    step_sync(sched, out, runner)
     while sched.has_unfinished:
         out = sched.schedule()
-        sched.update(out, runner.run(out))
+        step_sync(sched, out, runner)
         sched.check_integrity()
     assert a.output_token_ids == reference_output(a, 48)
     assert b.output_token_ids == reference_output(b, 48)
@@ -250,10 +330,17 @@ def test_abort_waiting_running_and_in_flight() -> None:
     assert sched.abort("c") is c and c.status is RequestStatus.FINISHED_ABORTED
     assert sched.num_waiting == 0
     sampled = runner.run(out)
+    sched.launched(out)
+    a_blocks = list(a.block_ids)
+    free_before = sched.block_manager.num_free_blocks
     assert sched.abort("a") is a  # aborted while its step is in flight
-    assert a.block_ids == [] and a.slot == -1 and sched.num_running == 1
+    # Parked: the launched step still writes a's blocks, so they are not free yet.
+    assert a.block_ids == a_blocks and a.slot >= 0 and sched.num_running == 1
+    assert sched.num_parked == 1 and sched.block_manager.num_free_blocks == free_before
+    sched.check_integrity()
     changed = sched.update(out, sampled)
     assert changed == [b] and b.output_token_ids == sampled[1:]
+    assert a.block_ids == [] and a.slot == -1 and sched.num_parked == 0
     assert a.output_token_ids == [] and sched.abort("a") is None and sched.abort("zz") is None
     sched.check_integrity()
     assert sched.block_manager.num_used_blocks == 2
@@ -278,6 +365,7 @@ def test_stop_conditions(kw: dict, tokens: list[int], status: RequestStatus, n_o
         out = sched.schedule()
         if out.is_empty:
             break
+        sched.launched(out)
         assert sched.update(out, [tok]) == [req]
     assert req.status is status and req.output_token_ids == tokens[:n_out]
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished
@@ -287,6 +375,7 @@ def test_update_checks_sample_count_and_add_checks_prompt() -> None:
     sched = make_sched()
     sched.add(make_req("a", 3))
     out = sched.schedule()
+    sched.launched(out)
     with pytest.raises(ValueError, match="expected 1"):
         sched.update(out, [])
     with pytest.raises(AssertionError, match="empty prompt"):
@@ -323,6 +412,7 @@ def test_property_random_traffic(data: st.DataObject) -> None:
     def build() -> list[tuple[int, Request]]:
         return [(t, make_req(f"r{i}", p, m, seed=i, eos=e)) for i, (t, p, m, e) in enumerate(specs)]
 
+    overlap = data.draw(st.booleans(), label="overlap")
     tight = build()
     drive(
         Scheduler(
@@ -333,6 +423,7 @@ def test_property_random_traffic(data: st.DataObject) -> None:
             enable_chunked_prefill=chunked,
         ),
         tight,
+        overlap=overlap,
     )
     free = build()
     drive(make_sched(max_model_len=max_model_len), free)

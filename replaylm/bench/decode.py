@@ -47,6 +47,7 @@ class DecodeRow:
     tok_s: float
     ms_per_token: float
     all_wall_s: list[float]
+    profile: dict[str, Any] | None = None  # with --profile: the per-step summary
     floor_ms: float | None = None
     floor_share: float | None = None
     graph_nodes: int | None = None
@@ -95,8 +96,12 @@ def weight_bytes_of(llm: Any) -> int:
 
 
 def graph_nodes_of(llm: Any) -> int | None:
-    nodes = llm.stats().as_dict().get("graph_nodes")
-    return int(nodes) if nodes else None
+    """Nodes of the graph that served the most steps so far (piecewise: all its links)."""
+    g = llm.graph_stats()
+    if not g["hits"]:
+        return None
+    key = max(g["hits"], key=g["hits"].get)
+    return g["nodes"].get(key)
 
 
 def floor_ms(weight_bytes: int, graph_nodes: int | None) -> float:
@@ -189,8 +194,13 @@ def run_decode_bench(
     repeats: int = 3,
     seed: int = 0,
     log: Any = print,
+    profile_dir: str | None = None,
 ) -> tuple[list[DecodeRow], str]:
-    """Run every (mode, batch size); returns the rows and the device name."""
+    """Run every (mode, batch size); returns the rows and the device name.
+
+    With ``profile_dir``, each row is followed by a profiled run of the same prompts (per-step
+    CPU time, GPU busy/idle, graph nodes; JSON) and a short traced one (Chrome trace).
+    """
     from replaylm import LLM
 
     rows: list[DecodeRow] = []
@@ -212,10 +222,32 @@ def run_decode_bench(
                 row = bench_batched(llm, bs, batched_prompt_len, new_tokens, 1, seed)
             log(f"[bench] mode={row.mode} batch={bs}: {row.tok_s:,.1f} tok/s")
             row.graphs = llm.graph_stats()
+            if profile_dir is not None:
+                row.profile = _profile_row(llm, row, profile_dir, prompt_len if bs == 1
+                                           else batched_prompt_len, seed, log)
             rows.append(row)
         del llm
         release_memory()
     return rows, device_name
+
+
+def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: int,
+                 log: Any) -> dict[str, Any]:
+    from pathlib import Path
+
+    from replaylm.bench.profile import format_summary, profile_run
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    stem = f"{out_dir}/{row.mode}_b{row.batch}"
+    prompts = random_prompts(row.batch, prompt_len, _vocab_of(llm), seed)
+    result = profile_run(llm, prompts, greedy_params(row.new_tokens),
+                         trace_path=f"{stem}.trace.json")
+    with open(f"{stem}.steps.json", "w") as f:
+        json.dump(result, f, indent=1)
+    log(format_summary(f"mode={row.mode} batch={row.batch}", result["summary"],
+                       result.get("trace_gpu_busy_share")))
+    return {"summary": result["summary"], "trace": result.get("trace"),
+            "trace_gpu_busy_share": result.get("trace_gpu_busy_share")}
 
 
 def device_name_of(device: torch.device) -> str:
@@ -271,6 +303,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: the engine's default mode)")
     parser.add_argument("--bench-seed", type=int, default=0,
                         help="seed of the random token-id prompts (default: 0)")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="after each row, profile one more run: per-step CPU time, GPU "
+                        "busy/idle time and graph nodes (DIR/MODE_bN.steps.json) and a "
+                        "Chrome/Perfetto trace of a short run (DIR/MODE_bN.trace.json)")
     parser.add_argument("--json", metavar="OUT", default=None,
                         help="write all rows, the command line, torch version and device here")
     EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=True)
@@ -298,7 +334,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
             return 2
     rows, device = run_decode_bench(
         base, modes, ns.batch_sizes, ns.prompt_len, ns.batched_prompt_len, ns.new_tokens,
-        ns.repeats, ns.bench_seed,
+        ns.repeats, ns.bench_seed, profile_dir=ns.profile,
     )
     print(f"model {ns.model} on {device}, torch {torch.__version__}")
     print(format_table(rows))

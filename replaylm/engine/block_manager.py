@@ -85,6 +85,7 @@ class BlockManager:
         self._release(req.block_ids)
         req.block_ids = []
         req.block_hashes = []
+        req.table_len = 0
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Keep only the blocks covering ``num_tokens`` tokens (speculative-decoding rollback)."""
@@ -100,6 +101,7 @@ class BlockManager:
         if keep < len(req.block_ids):
             self._release(req.block_ids[keep:])
             del req.block_ids[keep:]
+        req.table_len = min(req.table_len, len(req.block_ids))
         req.num_computed_tokens = min(req.num_computed_tokens, max(num_tokens, 0))
 
     def share(self, src: Request, dst: Request) -> int:
@@ -185,7 +187,9 @@ class BlockManager:
         if cache is None:
             return
         bs = self.block_size
-        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        # Pending samples (overlap scheduling) are computed but not known yet: not hashable.
+        done = min(req.num_computed_tokens, req.num_known_tokens)
+        full = min(done // bs, len(req.block_ids))
         parent, parent_serial = req.block_hashes[-1] if req.block_hashes else (ROOT_HASH, 0)
         for i in range(len(req.block_hashes), full):
             chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))

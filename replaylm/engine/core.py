@@ -13,11 +13,12 @@ from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.output_processor import OutputState, attach_logprobs, make_delta
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.request import Request, RequestStatus
-from replaylm.engine.scheduler import Scheduler
+from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
 from replaylm.model.loader import default_model_weights
 from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
+from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,10 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}
         self.outputs: dict[Request, OutputState] = {}
         self._arrivals = itertools.count()
+        # Overlap scheduling: the launched step not yet resolved (its output and samples).
+        self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
+        # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin/launched/end.
+        self.step_observer: Any = None
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)
@@ -213,30 +218,50 @@ class EngineCore:
             self.outputs.pop(req, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     # The step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Schedule, run one forward pass, sample, and report what changed."""
+        """Schedule and launch one step, then resolve the previous one and report what changed.
+
+        With overlap scheduling the step launched here is resolved by the next call: the CPU
+        schedules and builds step N+1 while the GPU runs step N, and samples reach the host one
+        step late. Without it, each step is resolved before returning.
+        """
+        obs = self.step_observer
+        if obs is not None:
+            obs.begin()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
-        if out.is_empty:
-            self._refresh_gauges()
-            return []
-        pending, dispatch, padded = self.runner.execute(out)
+        launched = None
+        if not out.is_empty:
+            pending, dispatch, padded = self.runner.execute(out)
+            if obs is not None:
+                obs.launched(dispatch.kind, dispatch.tier, out.num_batched_tokens)
+            self.scheduler.launched(out)
+            self.stats.record_step(StepRecord(
+                mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
+                padded_tokens=padded, num_reqs=len(out.scheduled),
+                fallback_reason=dispatch.reason,
+            ))
+            launched = (out, pending)
+        if self.args.overlap_scheduling:
+            resolve, self._inflight = self._inflight, launched
+        else:
+            resolve = launched
+        deltas = self._resolve(*resolve) if resolve is not None else []
+        self._refresh_gauges()
+        if obs is not None:
+            obs.end(launched is not None)
+        return deltas
+
+    def _resolve(self, out: SchedulerOutput, pending: PendingStep | None) -> list[RequestDelta]:
+        """Wait for a launched step's samples and apply them (stop checks, deltas)."""
         sampled = pending.tokens() if pending is not None else []
         attach_logprobs(out, pending)
-        self.stats.record_step(StepRecord(
-            mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
-            padded_tokens=padded, num_reqs=len(out.scheduled), fallback_reason=dispatch.reason,
-        ))
         changed = self.scheduler.update(out, sampled)
-        deltas = []
-        for req in changed:
-            deltas.append(self._delta(req))
-        self._refresh_gauges()
-        return deltas
+        return [self._delta(req) for req in changed]
 
     def _delta(self, req: Request) -> RequestDelta:
         delta = make_delta(req, self.outputs[req], self.scheduler)

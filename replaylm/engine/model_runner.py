@@ -102,7 +102,6 @@ class ModelRunner:
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
-        self.last_token = torch.zeros(args.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.model.bind(self.attn, self.kv_caches, max_model_len)
@@ -113,9 +112,12 @@ class ModelRunner:
             self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
             decode_tiers=self.decode_tiers, token_tiers=self.token_tiers,
-            last_token=self.last_token, host_attn_lengths=not self.attn.graph_safe,
+            host_attn_lengths=not self.attn.graph_safe,
+            eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
             graph_check=args.graph_check,
         )
+        self.buffers = self.graphs.buffers
+        self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
         self._warm_sampler()
         self.graphs.capture()
 
@@ -235,24 +237,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[PendingStep | None, Dispatch, int]:
-        """Launch one step; returns the pending samples, the dispatch and the padded size."""
+        """Launch one step; returns the pending samples, the dispatch and the padded size.
+
+        Nothing here waits for the device: the samples are read later, from the
+        ``PendingStep``.
+        """
         for req in out.newly_slotted:
             self.admit(req)
-        host = build_host_batch(out)
+        host = build_host_batch(out, self.max_blocks_per_req)
+        self.buffers.update_block_tables(host)
         plan = plan_prompt_logprobs(out, self.device)
         if plan is None:
             res = self.graphs.run(host)
-            logits, batch, dispatch, padded = res.logits, res.batch, res.dispatch, res.padded_tokens
+            logits, greedy, batch = res.logits, res.greedy, res.batch
+            dispatch, padded = res.dispatch, res.padded_tokens
         else:
             logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan)
+            greedy = None
         n = host.num_sampled
         if n == 0 and plan is None:
             return None, dispatch, padded
         slots = batch.sample_slots[:n]
         # Penalties, logit_bias, min_p, min_tokens and logprobs (when asked) then sampling.
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
-                                   host.sample_slots.tolist(), plan)
-        self.last_token.index_copy_(0, slots, pending.device_tokens)
+                                   host.sample_slots.tolist(), plan, greedy)
+        if pending.device_tokens is not greedy:
+            self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):
@@ -261,7 +271,8 @@ class ModelRunner:
         reason = "prompt_logprobs"
         fallbacks = self.graphs.stats.fallbacks
         fallbacks[reason] = fallbacks.get(reason, 0) + 1
-        batch = to_device(host, self.last_token, self.device, not self.attn.graph_safe)
+        batch = to_device(host, self.last_token, self.buffers.slot_tables, self.device,
+                          not self.attn.graph_safe)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         rows = torch.cat([batch.logits_indices, plan.rows])
         logits = self.model.compute_logits(hidden.index_select(0, rows))

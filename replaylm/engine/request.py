@@ -36,6 +36,12 @@ class Request:
     are the paged-KV blocks held, in order; ``slot`` is the request's row in the engine's
     persistent per-request device state (sampling tensors, last sampled token), held while
     running.
+
+    With overlap scheduling a step is launched before the previous one's samples reach the
+    host. Such a sample is *pending*: it counts in ``num_tokens`` (the scheduler plans the next
+    step around it, and the step reads it from the device), but not in ``output_token_ids``
+    until the step that made it is resolved. ``inflight`` counts launched, unresolved steps that
+    use this request: its blocks and slot are not released while it is above zero.
     """
 
     def __init__(
@@ -67,6 +73,10 @@ class Request:
         # The slot whose ``last_token`` device entry holds this request's newest output token
         # (-1: none does, e.g. after a preemption); only then may a step read it from there.
         self.device_token_slot: int = -1
+        # Leading block ids already written to the device block table of ``slot``.
+        self.table_len = 0
+        self.num_pending = 0  # sampled by launched steps, not yet on the host
+        self.inflight = 0  # launched steps using this request that are not resolved yet
         self.num_preemptions = 0
         # n > 1: siblings share ``parent_id`` (the caller's id) and differ in ``index``; a
         # sibling waits for ``leader`` (index 0) to compute the prompt, then shares its blocks.
@@ -89,11 +99,22 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known on the host."""
         return len(self.output_token_ids)
 
     @property
-    def num_tokens(self) -> int:
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, pending ones included: the next sample's index."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens, pending samples included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -105,8 +126,15 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list (a per-step hot path:
-        a decode step of a long request needs one token, not a copy of all of them)."""
+        a decode step of a long request needs one token, not a copy of all of them).
+
+        Pending positions (past the known tokens) read as 0: a step takes them from the
+        device, where the sampler left them.
+        """
         p = len(self.prompt_token_ids)
+        known = p + len(self.output_token_ids)
+        if end > known:
+            return self.token_slice(start, known) + [0] * (end - max(start, known))
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:
@@ -120,6 +148,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"out={self.num_output_tokens}+{self.num_pending}, computed={self.num_computed_tokens}, "
             f"blocks={len(self.block_ids)}, slot={self.slot})"
         )

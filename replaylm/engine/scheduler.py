@@ -35,6 +35,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     newly_slotted: list[Request] = field(default_factory=list)
+    # Scheduling stopped early because the pool is full and the only preemption victims are
+    # in flight: resolving the in-flight step first frees the way.
+    blocked: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -96,6 +99,8 @@ class Scheduler:
         # Min-heap: the lowest free slot is reused first, keeping slot ids compact.
         self._free_slots: list[int] = list(range(max_num_seqs))
         self._unfinished: dict[str, Request] = {}
+        # Finished while in flight: blocks and slot are released when their last step resolves.
+        self._parked: list[Request] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -137,7 +142,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        if req.inflight:
+            self._parked.append(req)  # a launched step still reads its blocks and slot
+        else:
+            self._release(req)
         req.status = status
         self._unfinished.pop(req.request_id, None)
 
@@ -149,6 +157,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._finishes_on_resolve(req):
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
             n = req.num_tokens - req.num_computed_tokens
             assert n >= 1, f"{req!r} is running with nothing to compute"
             if n > budget:
@@ -158,18 +169,22 @@ class Scheduler:
                 n = budget
             while not bm.allocate(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
+                if victim.inflight:
+                    out.blocked = True  # its blocks are in use by the step in flight
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req was the last running request and preempted itself
+            if out.blocked or req.status is not RequestStatus.RUNNING:
+                break  # blocked, or req was the last running request and preempted itself
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             i += 1
 
         # After a preemption the pool is tight: admitting now would only evict again next step.
-        while self.waiting and budget > 0 and self._free_slots and not out.preempted:
+        while self.waiting and budget > 0 and self._free_slots and not out.preempted \
+                and not out.blocked:
             req = self.waiting[0]
             if self._waits_for_leader(req):
                 break  # FCFS: nothing overtakes it, and the leader's prefill is under way
@@ -195,8 +210,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def launched(self, out: SchedulerOutput) -> None:
+        """The step ``out`` was launched: advance computed counts, add pending samples."""
+        for s in out.scheduled:
+            req = s.request
+            assert req.num_computed_tokens == s.start, f"{req!r} moved since scheduled at {s.start}"
+            req.num_computed_tokens += s.num_new_tokens
+            req.inflight += 1
+            self.block_manager.register(req)  # known tokens only: a hit runs after this step
+            if s.sample:
+                req.num_pending += 1
+
     def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
-        """Apply a step's results; returns the requests that got a token or finished."""
+        """Resolve a launched step with its samples; returns the requests that got a token or
+        finished. Steps resolve in launch order."""
         if len(sampled) != out.num_sampled:
             raise ValueError(
                 f"update: got {len(sampled)} sampled tokens, expected {out.num_sampled}"
@@ -206,10 +233,14 @@ class Scheduler:
         for s in out.scheduled:
             token = next(tokens) if s.sample else None  # consume in order even when skipping
             req = s.request
+            req.inflight -= 1
+            if token is not None:
+                req.num_pending -= 1
             if req.status is not RequestStatus.RUNNING:
-                continue  # aborted (or otherwise finished) while the step ran
-            assert req.num_computed_tokens == s.start, f"{req!r} moved since scheduled at {s.start}"
-            req.num_computed_tokens += s.num_new_tokens
+                if req.inflight == 0 and req in self._parked:
+                    self._parked.remove(req)
+                    self._release(req)
+                continue  # finished or aborted while the step ran: its sample is dropped
             self.block_manager.register(req)  # before any finish frees (and caches) the blocks
             if token is None:
                 continue
@@ -220,20 +251,26 @@ class Scheduler:
             changed.append(req)
         return changed
 
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
     def check_integrity(self) -> None:
         """Check slots, statuses and the block pool against the queues (tests, debugging)."""
-        slots = [r.slot for r in self.running]
+        slots = [r.slot for r in self.running + self._parked]
         assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} running > max"
         assert len(set(slots)) == len(slots), f"duplicate slots among running: {slots}"
         assert all(0 <= s < self.max_num_seqs for s in slots), f"slot out of range: {slots}"
         assert not set(slots) & set(self._free_slots), "a running slot is also free"
         assert len(slots) + len(self._free_slots) == self.max_num_seqs, "slots leaked"
+        for r in self._parked:
+            assert r.inflight > 0 and r.status.finished, f"{r!r} parked but not in flight"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING, f"{r!r} in running"
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r!r} waiting"
             assert r.slot == -1, f"waiting {r!r} holds a slot"
-        self.block_manager.check_integrity([*self.running, *self.waiting])
+        self.block_manager.check_integrity([*self.running, *self.waiting, *self._parked])
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -259,6 +296,10 @@ class Scheduler:
             return bm.share(leader, req)
         return 0
 
+    def _finishes_on_resolve(self, req: Request) -> bool:
+        """Whether a pending sample will end ``req`` by length (so nothing follows it)."""
+        return req.num_generated >= req.max_tokens or req.num_tokens >= self.max_model_len
+
     def _preempt(self, req: Request) -> None:
         # Recompute, not swap: the request keeps its outputs and recomputes all known tokens.
         self.running.remove(req)
@@ -282,6 +323,6 @@ class Scheduler:
             # vLLM's convention: EOS leaves stop_reason None, a stop token id is reported.
             req.stop_reason = token if token in params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_known_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,50 +1,122 @@
-"""Static buffers: allocated once for the top tier; every graph reads prefixes of them.
+"""Persistent device batch state: every step's inputs live in tensors allocated once.
 
-A step copies its real rows into the prefix and fills the rest as padding (DESIGN.md):
-padded tokens write scratch block 0 and belong to no request (``cu_seqlens_q[B..S] = T``),
-padded request slots have ``kv_lens = 0`` and block-table rows of 0, and padded logits rows
-point at row 0; their outputs are dropped.
+Graphs capture these addresses; eager steps that fit read prefixes of the same tensors, so
+both paths share one layout and one copy routine.
+
+Per step the host writes one pinned staging row and makes **one** host-to-device copy of it.
+The row packs, at fixed offsets: host-known token ids, the token gather index, positions,
+slot mapping, logits rows, sampled slots and output positions (int64), then
+``cu_seqlens_q``, ``kv_lens`` and request slots (int32, in the same bytes). Two staging rows
+alternate, so the host fills step N+1's while step N's copy may still be queued.
+
+Inputs that stay on the device:
+
+- ``last_token`` ``[S+1]``: each slot's newest sample, written by the step that sampled it.
+  It sits right before the host ids in one tensor, so a step's ``input_ids`` are one gather:
+  row ``t`` reads ``host_ids[t]`` (index ``S+1+t``) or ``last_token[slot]`` (index ``slot``).
+- ``slot_tables`` ``[S+1, max_blocks]``: each slot's block table, updated incrementally (only
+  the blocks a request gained since its last step are copied). A step's block table is a
+  gather of its requests' rows. Row ``S`` is all zeros: padded requests point at it.
+
+Padding (DESIGN.md): padded tokens write scratch block 0 and belong to no request
+(``cu_seqlens_q[B..] = T``), padded requests have ``kv_lens = 0`` and the zero table row,
+padded logits rows read row 0 and write their sample to the scratch slot ``S``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from replaylm.attention.backend import AttentionMetadata
-from replaylm.engine.batch import ForwardBatch, HostBatch, feed_sampled_tokens
+from replaylm.engine.batch import ForwardBatch, HostBatch
+
+
+@dataclass(frozen=True)
+class _Region:
+    start: int  # offset in elements of the region's dtype
+    size: int
 
 
 class StaticBuffers:
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
-                 max_kv_len: int) -> None:
+    """Device inputs for steps of up to ``max_tokens`` tokens and ``max_reqs`` requests.
+
+    ``max_num_seqs`` (S) is the number of request slots of the engine.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_num_seqs: int, max_blocks: int,
+                 device: torch.device, max_kv_len: int) -> None:
         self.max_tokens, self.max_reqs, self.max_kv_len = max_tokens, max_reqs, max_kv_len
+        self.num_slots = max_num_seqs
+        self.scratch_slot = max_num_seqs
+        self.max_blocks = max_blocks
+        self.device = device
         pin = device.type == "cuda"
+        t, r, s1 = max_tokens, max_reqs, max_num_seqs + 1
 
-        def pair(shape, dtype):
-            dev = torch.zeros(shape, dtype=dtype, device=device)
-            host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return dev, host
+        # int64 layout of the device tensor; the staging row covers everything after
+        # last_token. int32 arrays are packed two per int64 element at the end.
+        offset = s1
+        regions: dict[str, _Region] = {}
+        for name, size in (("host_ids", t), ("gather", t), ("positions", t),
+                           ("slot_mapping", t), ("logits_indices", r), ("sample_slots", r),
+                           ("sample_out_pos", r)):
+            regions[name] = _Region(offset, size)
+            offset += size
+        i32_start = 2 * offset
+        for name, size in (("cu_seqlens_q", r + 1), ("kv_lens", r), ("req_slots", r)):
+            regions[name] = _Region(i32_start, size)
+            i32_start += size
+        total = (i32_start + 1) // 2
+        self._regions = regions
+        self._copy_start, self._copy_end = s1, total
 
-        i64, i32 = torch.int64, torch.int32
-        self.input_ids, self._h_ids = pair(max_tokens, i64)
-        self.positions, self._h_pos = pair(max_tokens, i64)
-        self.slot_mapping, self._h_slots = pair(max_tokens, i64)
-        self.cu_seqlens_q, self._h_cu = pair(max_reqs + 1, i32)
-        self.kv_lens, self._h_kv = pair(max_reqs, i32)
-        self.block_table, self._h_bt = pair((max_reqs, max_blocks), i32)
-        self.logits_indices, self._h_li = pair(max_reqs, i64)
-        self.sample_slots, self._h_ss = pair(max_reqs, i64)
-        self.sample_out_pos, self._h_op = pair(max_reqs, i64)
+        self._dev = torch.zeros(total, dtype=torch.int64, device=device)
+        self._stages = [torch.zeros(total, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
+        dev32 = self._dev.view(torch.int32)
+
+        def dev(name: str) -> torch.Tensor:
+            reg = regions[name]
+            base = dev32 if name in ("cu_seqlens_q", "kv_lens", "req_slots") else self._dev
+            return base[reg.start: reg.start + reg.size]
+
+        self.last_token = self._dev[:s1]
+        self.token_source = self._dev[: s1 + t]  # last_token ++ host_ids: the ids gather table
+        self.gather = dev("gather")
+        self.positions = dev("positions")
+        self.slot_mapping = dev("slot_mapping")
+        self.logits_indices = dev("logits_indices")
+        self.sample_slots = dev("sample_slots")
+        self.sample_out_pos = dev("sample_out_pos")
+        self.cu_seqlens_q = dev("cu_seqlens_q")
+        self.kv_lens = dev("kv_lens")
+        self.req_slots = dev("req_slots")
+        # Gather outputs, written on the device at the start of every step.
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(r, max_blocks, dtype=torch.int32, device=device)
+        self.slot_tables = torch.zeros(s1, max_blocks, dtype=torch.int32, device=device)
+        # Block-table updates: flat index then block id, int32, in one staging row per flip.
+        cap = max_num_seqs * max_blocks
+        self._upd_dev = torch.zeros(2 * cap, dtype=torch.int32, device=device)
+        self._upd_stages = [torch.zeros(2 * cap, dtype=torch.int32, pin_memory=pin)
+                            for _ in range(2)]
 
     def getters(self) -> dict[str, object]:
         """Name -> getter of every static buffer (for the stand-in's address checks)."""
-        names = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "kv_lens",
-                 "block_table", "logits_indices", "sample_slots", "sample_out_pos")
+        names = ("input_ids", "token_source", "gather", "positions", "slot_mapping",
+                 "cu_seqlens_q", "kv_lens", "req_slots", "block_table", "slot_tables",
+                 "logits_indices", "sample_slots", "sample_out_pos")
         return {n: (lambda n=n: getattr(self, n)) for n in names}
 
-    def view(self, num_tokens: int, num_reqs: int, num_logits: int, max_q_len: int) -> ForwardBatch:
-        """The fixed-shape views one graph tier is captured with."""
+    def fits(self, host: HostBatch) -> bool:
+        return host.num_tokens <= self.max_tokens and host.num_reqs <= self.max_reqs
+
+    def view(self, num_tokens: int, num_reqs: int, num_logits: int, max_q_len: int,
+             max_kv_len: int | None = None) -> ForwardBatch:
+        """Fixed-shape views of the buffers (one graph tier, or an unpadded eager step)."""
         meta = AttentionMetadata(
             cu_seqlens_q=self.cu_seqlens_q[: num_reqs + 1],
             kv_lens=self.kv_lens[:num_reqs],
@@ -53,7 +125,7 @@ class StaticBuffers:
             num_tokens=num_tokens,
             num_reqs=num_reqs,
             max_q_len=max_q_len,
-            max_kv_len=self.max_kv_len,
+            max_kv_len=self.max_kv_len if max_kv_len is None else max_kv_len,
         )
         return ForwardBatch(
             input_ids=self.input_ids[:num_tokens],
@@ -62,45 +134,66 @@ class StaticBuffers:
             logits_indices=self.logits_indices[:num_logits],
             sample_slots=self.sample_slots[:num_logits],
             sample_out_pos=self.sample_out_pos[:num_logits],
+            gather=self.gather[:num_tokens],
+            req_slots=self.req_slots[:num_reqs],
         )
 
-    def load(self, host: HostBatch, num_tokens: int, num_reqs: int, num_logits: int,
-             last_token: torch.Tensor) -> None:
-        """Copy a real batch into the prefixes and pad up to the tier's sizes."""
+    def gather_inputs(self, b: ForwardBatch) -> None:
+        """On the device: input ids (host ids or previous samples) and the step's block table.
+
+        Inside a graph these are its first two nodes.
+        """
+        torch.index_select(self.token_source, 0, b.gather, out=b.input_ids)
+        torch.index_select(self.slot_tables, 0, b.req_slots, out=b.meta.block_table)
+
+    def update_block_tables(self, host: HostBatch) -> None:
+        """Copy the blocks requests gained since their last step into ``slot_tables``."""
+        u = len(host.table_index)
+        if u == 0:
+            return
+        stage = self._upd_stages[self._flip]
+        a = stage.numpy()
+        a[:u] = host.table_index
+        a[u: 2 * u] = host.table_value
+        self._upd_dev[: 2 * u].copy_(stage[: 2 * u], non_blocking=True)
+        self.slot_tables.view(-1).index_put_((self._upd_dev[:u],), self._upd_dev[u: 2 * u])
+
+    def load(self, host: HostBatch, num_tokens: int, num_reqs: int, num_logits: int) -> None:
+        """Stage a real batch, padded up to the given sizes, and copy it to the device."""
         t, b, n_l = host.num_tokens, host.num_reqs, host.num_sampled
         assert t <= num_tokens <= self.max_tokens and b <= num_reqs <= self.max_reqs
-        assert n_l <= num_logits
-        _fill(self._h_ids, host.input_ids, num_tokens, 0)
-        _fill(self._h_pos, host.positions, num_tokens, 0)
-        _fill(self._h_slots, host.slot_mapping, num_tokens, 0)  # padding -> scratch block 0
-        # Every slot past the real ones is empty, up to the top tier's: any graph's view (and
-        # the piecewise links, which see all slots) then ends at the real token count.
-        _fill(self._h_cu, host.cu_seqlens_q, self.max_reqs + 1, t)
-        _fill(self._h_kv, host.kv_lens, num_reqs, 0)
-        _fill(self._h_li, host.logits_indices, num_logits, 0)
-        _fill(self._h_ss, host.sample_slots, num_logits, 0)
-        _fill(self._h_op, host.sample_out_pos, num_logits, 0)
-        w = host.block_table.shape[1]
-        bt = self._h_bt.numpy()
-        bt[:b, :w] = host.block_table
-        bt[b:num_reqs] = 0
-        for dev, hst, n in (
-            (self.input_ids, self._h_ids, num_tokens),
-            (self.positions, self._h_pos, num_tokens),
-            (self.slot_mapping, self._h_slots, num_tokens),
-            (self.cu_seqlens_q, self._h_cu, self.max_reqs + 1),
-            (self.kv_lens, self._h_kv, num_reqs),
-            (self.block_table, self._h_bt, num_reqs),
-            (self.logits_indices, self._h_li, num_logits),
-            (self.sample_slots, self._h_ss, num_logits),
-            (self.sample_out_pos, self._h_op, num_logits),
-        ):
-            dev[:n].copy_(hst[:n], non_blocking=True)
-        feed_sampled_tokens(self.input_ids, host, last_token)
+        assert n_l <= num_logits <= self.max_reqs
+        stage = self._stages[self._flip]
+        self._flip ^= 1
+        a64 = stage.numpy()
+        a32 = a64.view(np.int32)
+        reg = self._regions
+
+        def put(name: str, src: np.ndarray, n: int, pad: int) -> None:
+            r = reg[name]
+            arr = a32 if name in ("cu_seqlens_q", "kv_lens", "req_slots") else a64
+            _fill(name, arr[r.start: r.start + r.size], src, n, pad)
+
+        put("host_ids", host.input_ids, num_tokens, 0)
+        g = np.arange(self.num_slots + 1, self.num_slots + 1 + num_tokens, dtype=np.int64)
+        g[host.from_device_rows] = host.from_device_slots
+        put("gather", g, num_tokens, 0)
+        put("positions", host.positions, num_tokens, 0)
+        put("slot_mapping", host.slot_mapping, num_tokens, 0)  # padding -> scratch block 0
+        put("logits_indices", host.logits_indices, num_logits, 0)
+        put("sample_slots", host.sample_slots, num_logits, self.scratch_slot)
+        put("sample_out_pos", host.sample_out_pos, num_logits, 0)
+        # Every slot past the real ones is empty, up to the largest view's: any view (and the
+        # piecewise links, which see all slots) then ends at the real token count.
+        put("cu_seqlens_q", host.cu_seqlens_q, self.max_reqs + 1, t)
+        put("kv_lens", host.kv_lens, num_reqs, 0)
+        put("req_slots", host.req_slots, num_reqs, self.scratch_slot)
+        lo, hi = self._copy_start, self._copy_end
+        self._dev[lo:hi].copy_(stage[lo:hi], non_blocking=True)
 
 
-def _fill(dst: torch.Tensor, src: np.ndarray, n: int, pad: int) -> None:
-    a = dst.numpy()
+def _fill(name: str, dst: np.ndarray, src: np.ndarray, n: int, pad: int) -> None:
+    """Write ``src`` into staging region ``name`` and pad it up to ``n`` entries."""
     k = len(src)
-    a[:k] = src
-    a[k:n] = pad
+    dst[:k] = src
+    dst[k:n] = pad

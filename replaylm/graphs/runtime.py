@@ -47,6 +47,7 @@ class GraphStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     num_graphs: int = 0
+    nodes: dict[str, int] = field(default_factory=dict)  # "mode:tier" -> kernel nodes per step
     capture_seconds: float = 0.0
     graph_mib: float = 0.0
     checks: int = 0
@@ -57,7 +58,8 @@ class GraphStats:
             "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
             "padding_share": round(1 - self.real_tokens / self.padded_tokens, 4)
             if self.padded_tokens else 0.0,
-            "num_graphs": self.num_graphs, "capture_seconds": round(self.capture_seconds, 3),
+            "num_graphs": self.num_graphs, "nodes": dict(self.nodes),
+            "capture_seconds": round(self.capture_seconds, 3),
             "graph_mib": round(self.graph_mib, 1), "checks": self.checks,
         }
 
@@ -71,7 +73,8 @@ class Dispatch:
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [L_real, V] fp32
+    logits: torch.Tensor  # [L_real, V]
+    greedy: torch.Tensor | None  # [L_real] argmax tokens, already in last_token (None: not run)
     batch: ForwardBatch  # the sampling rows live in batch.sample_* [:L_real]
     dispatch: Dispatch
     padded_tokens: int
@@ -100,15 +103,28 @@ class _Graph:
     def replay(self) -> None:
         self.graph.replay()
 
+    def num_nodes(self) -> int | None:
+        """Nodes (kernels and copies) in the graph; ``None`` where they cannot be counted."""
+        if not self.cuda:
+            return self.graph.num_nodes
+        try:
+            from cuda.bindings import runtime as cudart
+
+            err, _, count = cudart.cudaGraphGetNodes(self.graph.raw_cuda_graph(), 0)
+            return int(count) if int(err) == 0 else None
+        except Exception:  # cuda-python missing, or a torch without raw_cuda_graph()
+            return None
+
 
 class GraphRuntime:
+    """Runs every step: dispatches it to a graph (or eagerly) on the persistent buffers."""
+
     def __init__(self, model: CausalLM, mode: str, device: torch.device, *, max_num_seqs: int,
                  max_blocks: int, max_model_len: int, decode_tiers: list[int],
-                 token_tiers: list[int], last_token: torch.Tensor, host_attn_lengths: bool,
+                 token_tiers: list[int], host_attn_lengths: bool, eager_tokens: int,
                  graph_check: int = 0) -> None:
         self.model, self.mode, self.device = model, mode, device
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.last_token = last_token
         self.host_attn_lengths = host_attn_lengths
         self.graph_check = graph_check
         self.uses_full = mode in ("full", "full_and_piecewise")
@@ -120,22 +136,25 @@ class GraphRuntime:
         self.full: dict[int, _Graph] = {}
         self.ragged: dict[int, _Graph] = {}
         self.piecewise: dict[int, list[_Graph]] = {}
-        self.buffers: StaticBuffers | None = None
+        top_graph = max(self.decode_tiers + self.token_tiers, default=0)
+        # Eager steps up to ``eager_tokens`` also run on the static buffers (one copy in).
+        top_tokens = max(top_graph, eager_tokens)
+        self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_num_seqs,
+                                     max_blocks, device, max_model_len)
+        self.last_token = self.buffers.last_token
         if mode != "eager":
-            top_tokens = max(self.decode_tiers + self.token_tiers)
-            self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_blocks,
-                                         device, max_model_len)
             cfg = model.cfg
             dtype = model.embed_tokens.weight.dtype
             # One logits output shared by every whole-model graph (each graph keeping its own
             # [rows, vocab] output would cost gigabytes across the tiers).
-            self.logits_buf = torch.zeros(self.buffers.max_reqs, cfg.vocab_size, dtype=dtype,
-                                          device=device)
+            self.logits_buf = torch.zeros(min(top_graph, max_num_seqs), cfg.vocab_size,
+                                          dtype=dtype, device=device)
             if self.uses_piecewise:  # the links' static inputs/outputs, shared by every tier
-                self.q_buf = torch.zeros(top_tokens, cfg.num_heads, cfg.head_dim, dtype=dtype,
+                self.q_buf = torch.zeros(top_graph, cfg.num_heads, cfg.head_dim, dtype=dtype,
                                          device=device)
                 self.attn_buf = torch.zeros_like(self.q_buf)
-                self.res_buf = torch.zeros(top_tokens, cfg.hidden_size, dtype=dtype, device=device)
+                self.res_buf = torch.zeros(top_graph, cfg.hidden_size, dtype=dtype,
+                                           device=device)
                 self.hidden_buf = torch.zeros_like(self.res_buf)
 
     # Dispatch ----------------------------------------------------------------------------
@@ -179,14 +198,20 @@ class GraphRuntime:
                                    disable=len(jobs) < 2):
                 self._dummy_batch()
                 if kind == "piecewise":
-                    self.piecewise[tier] = [self._capture_link(j, tier, pool, getters)
-                                            for j in range(self.model.cfg.num_layers + 1)]
+                    links = [self._capture_link(j, tier, pool, getters)
+                             for j in range(self.model.cfg.num_layers + 1)]
+                    self.piecewise[tier] = links
+                    counts = [g.num_nodes() for g in links]
+                    nodes = None if None in counts else sum(counts)
                 else:
                     g = _Graph(f"{kind}:{tier}", self.device, pool, getters)
                     batch = self._view(kind, tier)
                     out = self.logits_buf[: len(batch.logits_indices)]
                     g.capture(lambda b=batch, o=out: self._whole_model(b, o))
                     (self.full if kind == "full" else self.ragged)[tier] = g
+                    nodes = g.num_nodes()
+                if nodes is not None:
+                    self.stats.nodes[f"{kind}:{tier}"] = nodes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         s = self.stats
@@ -203,15 +228,30 @@ class GraphRuntime:
         return self.buffers.view(tier, slots, slots, max_q_len=tier)
 
     def _dummy_batch(self) -> None:
-        """Fill the static buffers with an all-padding batch: every token writes block 0."""
+        """Fill the static buffers with an all-padding batch: every token writes block 0,
+        reads token 0, and samples into the scratch slot."""
         b = self.buffers
         for t in (b.input_ids, b.positions, b.slot_mapping, b.kv_lens, b.cu_seqlens_q,
-                  b.block_table, b.logits_indices, b.sample_slots, b.sample_out_pos):
+                  b.block_table, b.logits_indices, b.sample_out_pos):
             t.zero_()
+        b.gather.fill_(b.num_slots + 1)
+        b.req_slots.fill_(b.scratch_slot)
+        b.sample_slots.fill_(b.scratch_slot)
 
-    def _whole_model(self, b: ForwardBatch, out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def _whole_model(self, b: ForwardBatch, out: torch.Tensor | None = None,
+                     gather: bool = True) -> list[torch.Tensor]:
+        """The step on the device: inputs gathered, the model, logits, and greedy samples
+        (written to ``last_token``; a sampler that draws otherwise overwrites them)."""
+        if gather and b.gather is not None:
+            self.buffers.gather_inputs(b)
         hidden = self.model(b.input_ids, b.positions, b.meta)
-        return [self.model.compute_logits(hidden.index_select(0, b.logits_indices), out)]
+        logits = self.model.compute_logits(hidden.index_select(0, b.logits_indices), out)
+        return [logits, self._greedy(logits, b)]
+
+    def _greedy(self, logits: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        self.last_token.index_copy_(0, b.sample_slots, tokens)
+        return tokens
 
     def _link(self, j: int, b: ForwardBatch, attn_in: torch.Tensor, res_in: torch.Tensor):
         """Dense link ``j`` of the chain: 0 is embed+before₀, the last ends in the final norm."""
@@ -246,12 +286,13 @@ class GraphRuntime:
     def run(self, host: HostBatch) -> StepResult:
         d = self.dispatch(host)
         s = self.stats
+        n = host.num_sampled
         if d.kind == "eager":
             if d.reason:
                 s.fallbacks[d.reason] = s.fallbacks.get(d.reason, 0) + 1
-            batch = to_device(host, self.last_token, self.device, self.host_attn_lengths)
-            logits = self._whole_model(batch)[0]
-            return StepResult(logits, batch, d, host.num_tokens)
+            batch = self.eager_batch(host)
+            logits, greedy = self._whole_model(batch)
+            return StepResult(logits, greedy, batch, d, host.num_tokens)
         key = f"{d.kind}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
         s.real_tokens += host.num_tokens
@@ -259,30 +300,45 @@ class GraphRuntime:
         self.graph_steps += 1
         check = self.graph_check > 0 and self.graph_steps % self.graph_check == 0
         if d.kind == "piecewise":
-            logits, batch = self._run_piecewise(host, d.tier, check)
+            logits, greedy, batch = self._run_piecewise(host, d.tier, check)
         else:
             batch = self._view(d.kind, d.tier)
-            self.buffers.load(host, d.tier, batch.meta.num_reqs, len(batch.logits_indices),
-                              self.last_token)
+            self.buffers.load(host, d.tier, batch.meta.num_reqs, len(batch.logits_indices))
             g = (self.full if d.kind == "full" else self.ragged)[d.tier]
             g.replay()
-            logits = g.outputs[0]
+            logits, greedy = g.outputs
             if check:  # the same kernels into a scratch buffer of the same shape and dtype
-                eager = self._whole_model(batch, torch.empty_like(logits))
-                self._check(key, [logits], eager, "whole model")
-        n = host.num_sampled
+                # Inputs as the replay gathered them: it has overwritten last_token since.
+                eager = self._whole_model(batch, torch.empty_like(logits), gather=False)
+                self._check(key, g.outputs, eager, "whole model")
         if self.model.poison_padding and n and not bool(torch.isfinite(logits[:n]).all()):
             # A debugging mode, so this host sync is acceptable; it runs after the replay.
             raise PaddingLeakError(f"padding leaked into real rows: mode {self.mode}, graph {key}")
-        return StepResult(logits[:n], batch, d, d.tier)
+        return StepResult(logits[:n], greedy[:n], batch, d, d.tier)
+
+    def eager_batch(self, host: HostBatch) -> ForwardBatch:
+        """An unpadded eager step: on the static buffers when it fits, else fresh tensors."""
+        b = self.buffers
+        if not b.fits(host):
+            return to_device(host, self.last_token, b.slot_tables, self.device,
+                             self.host_attn_lengths)
+        b.load(host, host.num_tokens, host.num_reqs, host.num_sampled)
+        batch = b.view(host.num_tokens, host.num_reqs, host.num_sampled, host.max_q_len,
+                       max_kv_len=int(host.kv_lens.max()))
+        self._host_lengths(batch, host)
+        return batch
+
+    def _host_lengths(self, batch: ForwardBatch, host: HostBatch) -> None:
+        if self.host_attn_lengths:  # eager attention may use host lengths (torch reference)
+            batch.meta.cu_seqlens_q_cpu = host.cu_seqlens_q.tolist()
+            batch.meta.kv_lens_cpu = host.kv_lens.tolist()
 
     def _run_piecewise(self, host: HostBatch, tier: int, check: bool):
         nreq = host.num_reqs
-        self.buffers.load(host, tier, nreq, host.num_sampled, self.last_token)
+        self.buffers.load(host, tier, nreq, host.num_sampled)
         b = self.buffers.view(tier, nreq, host.num_sampled, max_q_len=host.max_q_len)
-        if self.host_attn_lengths:  # eager attention may use host lengths (torch reference)
-            b.meta.cu_seqlens_q_cpu = host.cu_seqlens_q.tolist()
-            b.meta.kv_lens_cpu = host.kv_lens.tolist()
+        self._host_lengths(b, host)
+        self.buffers.gather_inputs(b)
         graphs = self.piecewise[tier]
         attn_in, res_in = self.attn_buf[:tier], self.res_buf[:tier]
         for j, g in enumerate(graphs):
@@ -294,7 +350,7 @@ class GraphRuntime:
             if j < len(graphs) - 1:
                 attn_in.copy_(self.model.attention(j, self.q_buf[:tier], b.meta))
         logits = self.model.compute_logits(self.hidden_buf[:tier].index_select(0, b.logits_indices))
-        return logits, b
+        return logits, self._greedy(logits, b), b
 
     def _check(self, key: str, graph_out, eager_out, segment: str) -> None:
         self.stats.checks += 1

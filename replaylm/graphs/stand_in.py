@@ -38,13 +38,26 @@ class GraphBufferError(RuntimeError):
     """A static buffer was reallocated between capture and replay."""
 
 
+# Ops that only make views or change metadata: no kernel, so no graph node.
+VIEW_OPS = {
+    "aten::view", "aten::_unsafe_view", "aten::_reshape_alias", "aten::reshape", "aten::slice",
+    "aten::select", "aten::as_strided", "aten::expand", "aten::t", "aten::transpose",
+    "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::alias", "aten::permute",
+    "aten::unflatten", "aten::flatten", "aten::split", "aten::chunk", "aten::narrow",
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
+}
+
+
 class _NoHostSync(TorchDispatchMode):
     def __init__(self, where: str) -> None:
         super().__init__()
         self.where = where
+        self.kernels = 0  # ops that would launch a kernel (a graph node on CUDA)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name() if hasattr(func, "name") else str(func)
+        if name.split(".")[0] not in VIEW_OPS:
+            self.kernels += 1
         if name in SYNC_OPS or (name.startswith("aten::index.Tensor") and _has_bool_index(args)):
             raise HostSyncError(f"host sync inside {self.where}: {name}")
         if name in ("aten::_to_copy", "aten::copy_", "aten::to.device"):
@@ -121,6 +134,7 @@ class StandInGraph:
         self.static: list[tuple[str, Callable[[], torch.Tensor], int]] = []
         self.outputs: list[torch.Tensor] = []
         self.replays = 0
+        self.num_nodes = 0  # kernels the capture ran: what a CUDA graph would hold as nodes
 
     def capture(self, fn: Callable[[], Sequence[torch.Tensor]],
                 static: dict[str, Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
@@ -131,8 +145,10 @@ class StandInGraph:
         """
         self.fn = fn
         self.static = [(k, get, get().data_ptr()) for k, get in static.items()]
-        with no_host_sync(f"capture of graph {self.name}"):
+        guard = no_host_sync(f"capture of graph {self.name}")
+        with guard:
             self.outputs = list(fn())
+        self.num_nodes = guard.mode.kernels
         return self.outputs
 
     def replay(self) -> None:

@@ -77,12 +77,14 @@ class StepSampler:
         self.state = SamplingState(max_num_seqs, device)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
         self._logprobs_k: list[int | None] = [None] * max_num_seqs
-        # One pinned buffer and one event, reused: allocating pinned memory every step costs
-        # about as much as a small model's whole step. Reuse is safe because each step's tokens
-        # are read on the host before the next step is launched.
-        self._pinned = (torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
-                        if device.type == "cuda" else None)
-        self._ready = torch.cuda.Event() if device.type == "cuda" else None
+        # Two pinned buffers and events, alternating: allocating pinned memory every step costs
+        # about as much as a small model's whole step. With overlap scheduling step N+1 is
+        # launched before step N's tokens are read on the host, so N+1 must copy elsewhere.
+        cuda = device.type == "cuda"
+        self._pinned = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
+                        for _ in range(2)] if cuda else []
+        self._ready = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._flip = 0
 
     def admit(self, req: Any) -> None:
         """Write a newly slotted request's settings into its slot (outside any graph)."""
@@ -93,15 +95,21 @@ class StepSampler:
         self._logprobs_k[req.slot] = p.logprobs
 
     def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
-            slots_cpu: list[int], plan: PromptLogprobPlan | None) -> PendingStep:
+            slots_cpu: list[int], plan: PromptLogprobPlan | None,
+            greedy: torch.Tensor | None = None) -> PendingStep:
         """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
 
+        ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
+        batch of greedy requests with no logit processing takes it as is, with no kernel here.
         Returns the step's results with their host copies started (CUDA: pinned memory,
         non-blocking, one event recorded after all of them).
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
-        if num_sampled:
+        if greedy is not None and self.state.all_greedy(slots_cpu) \
+                and not self.procs.active(slots_cpu):
+            tokens = greedy
+        elif num_sampled:
             x = raw
             if self.procs.active(slots_cpu):
                 x = self.procs.apply(raw, sample_slots, sample_out_pos, self.state.temperature,
@@ -125,15 +133,16 @@ class StepSampler:
         host_tokens = tokens
         event = None
         if pin:
-            host_tokens = self._pinned[: tokens.shape[0]]
+            host_tokens = self._pinned[self._flip][: tokens.shape[0]]
             host_tokens.copy_(tokens, non_blocking=True)
         if sample_lp is not None:
             sample_lp = sample_lp.to_host(pin)
         if prompt_lp is not None:
             prompt_lp = prompt_lp.to_host(pin)
         if pin:
-            event = self._ready
+            event = self._ready[self._flip]
             event.record()
+            self._flip ^= 1
         return PendingStep(tokens, host_tokens, event, sample_lp, ks if sample_lp is not None else None,
                            prompt_lp, plan.ks if plan is not None else None,
                            plan.spans if plan is not None else None)

@@ -1,0 +1,172 @@
+"""Per-step profile of the engine: CPU time, GPU busy and idle time, graph nodes.
+
+``StepProfiler`` hooks into ``EngineCore.step`` (``core.step_observer``). On CUDA it records
+one event when a step starts enqueueing work and one after its last launch; with the events'
+device timestamps:
+
+- GPU busy of step N = ``end_N - start_N`` (the device executing step N's copies, replay and
+  sampling; a gap inside a step, where the device waits for the host to enqueue the rest, is
+  counted here too, so the idle figure is a lower bound — the Chrome trace shows every kernel);
+- GPU idle before step N = ``start_N - end_{N-1}``, floored at 0 (the device ran out of work
+  because the host had not launched step N yet);
+- CPU time = host wall time of the ``step()`` call.
+
+``profile_run`` drives a ``generate`` under the observer and, when a path is given, a second
+short run under ``torch.profiler`` that writes a Chrome/Perfetto trace; ``kernel_busy_share``
+reads such a trace back and measures the device's busy share over the decode window from the
+kernels and copies themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class StepSample:
+    index: int
+    mode: str
+    tier: int | None
+    tokens: int
+    cpu_ms: float
+    gpu_busy_ms: float | None = None
+    gpu_idle_ms: float | None = None
+    graph_nodes: int | None = None
+
+
+class StepProfiler:
+    """Collects one ``StepSample`` per launched step; ``finish()`` resolves the GPU times."""
+
+    def __init__(self, device: torch.device, node_counts: dict[str, int]) -> None:
+        self.cuda = device.type == "cuda"
+        self.node_counts = node_counts
+        self.samples: list[StepSample] = []
+        self._events: list[tuple[Any, Any]] = []
+        self._t0 = 0.0
+        self._start = None
+
+    # Hooks called by EngineCore.step ------------------------------------------------------
+
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def launched(self, mode: str, tier: int | None, tokens: int) -> None:
+        nodes = self.node_counts.get(f"{mode}:{tier}") if tier is not None else None
+        self.samples.append(StepSample(len(self.samples), mode, tier, tokens, 0.0,
+                                       graph_nodes=nodes))
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+
+    def end(self, launched: bool) -> None:
+        if launched:
+            self.samples[-1].cpu_ms = (time.perf_counter() - self._t0) * 1e3
+
+    # Results ---------------------------------------------------------------------------------
+
+    def finish(self) -> list[StepSample]:
+        if self.cuda and self._events:
+            torch.cuda.synchronize()
+            prev_end = None
+            for s, (start, end) in zip(self.samples, self._events):
+                s.gpu_busy_ms = start.elapsed_time(end)
+                if prev_end is not None:
+                    s.gpu_idle_ms = max(0.0, prev_end.elapsed_time(start))
+                prev_end = end
+        return self.samples
+
+
+def summarize(samples: list[StepSample], skip: int = 1) -> dict[str, Any]:
+    """Medians over the steady state (the first ``skip`` steps, the prefill, left out)."""
+    steady = samples[skip:] or samples
+
+    def med(values: list[float | None]) -> float | None:
+        vals = [v for v in values if v is not None]
+        return round(statistics.median(vals), 4) if vals else None
+
+    busy = sum(s.gpu_busy_ms or 0.0 for s in steady)
+    idle = sum(s.gpu_idle_ms or 0.0 for s in steady)
+    return {
+        "steps": len(samples),
+        "steady_steps": len(steady),
+        "cpu_ms_median": med([s.cpu_ms for s in steady]),
+        "gpu_busy_ms_median": med([s.gpu_busy_ms for s in steady]),
+        "gpu_idle_ms_median": med([s.gpu_idle_ms for s in steady]),
+        "gpu_idle_share": round(idle / (busy + idle), 4) if busy + idle > 0 else None,
+        "graph_nodes": med([s.graph_nodes for s in steady]),
+        "modes": sorted({f"{s.mode}:{s.tier}" if s.tier is not None else s.mode
+                         for s in steady}),
+    }
+
+
+def profile_run(llm: Any, prompts: list[list[int]], params: Any,
+                trace_path: str | None = None, trace_tokens: int = 16) -> dict[str, Any]:
+    """One ``generate`` under the step profiler; optionally a short traced one as well."""
+    core = llm.engine
+    prof = StepProfiler(core.runner.device, core.runner.graphs.stats.nodes)
+    core.step_observer = prof
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.step_observer = None
+    samples = prof.finish()
+    result = {"summary": summarize(samples), "steps": [dataclasses.asdict(s) for s in samples]}
+    if trace_path is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        short = dataclasses.replace(params, max_tokens=min(trace_tokens, params.max_tokens))
+        activities = [ProfilerActivity.CPU]
+        if core.runner.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as p:
+            llm.generate(prompts, short, use_tqdm=False)
+        p.export_chrome_trace(trace_path)
+        result["trace"] = trace_path
+        result["trace_gpu_busy_share"] = kernel_busy_share(trace_path)
+    return result
+
+
+def kernel_busy_share(trace_path: str) -> float | None:
+    """Share of the window from the first to the last device activity that some kernel or
+    copy was running, from a Chrome trace written by ``torch.profiler``."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                   for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not spans:
+        return None
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    window = spans[-1][1] - spans[0][0]
+    window = max(window, max(e for _, e in spans) - spans[0][0])
+    return round(busy / window, 4) if window > 0 else None
+
+
+def format_summary(label: str, summary: dict[str, Any], busy_share: float | None) -> str:
+    def f(v: Any, unit: str = "") -> str:
+        return "n/a" if v is None else f"{v}{unit}"
+
+    idle = summary.get("gpu_idle_share")
+    trace = "" if busy_share is None else f", trace GPU busy {100 * busy_share:.1f}%"
+    return (f"[profile] {label}: {summary['steady_steps']} steps; per step CPU "
+            f"{f(summary['cpu_ms_median'], ' ms')}, GPU busy {f(summary['gpu_busy_ms_median'], ' ms')}, "
+            f"GPU idle {f(summary['gpu_idle_ms_median'], ' ms')} "
+            f"({'n/a' if idle is None else f'{100 * idle:.1f}%'}), graph nodes "
+            f"{f(summary['graph_nodes'])}{trace}; graphs {','.join(summary['modes'])}")
