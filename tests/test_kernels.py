@@ -32,7 +32,9 @@ from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata  # noqa: E4
 from replaylm.attention.torch_ref import attention_ref  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.sum, InterpretedFunction)
-_MODULES = ("replaylm.kernels.attention", "replaylm.kernels.kv_write", "replaylm.kernels.fused")
+# gemv before fused: fused re-exports gemv's ``linear`` at import.
+_MODULES = ("replaylm.kernels.attention", "replaylm.kernels.kv_write", "replaylm.kernels.gemv",
+            "replaylm.kernels.fused")
 
 
 def test_interpreter_suite_in_subprocess():
@@ -77,8 +79,9 @@ def kernels():
         mods.append(mod)
     from replaylm.attention.triton_backend import TritonAttentionBackend
 
-    attn, kvw, fused = mods
-    yield SimpleNamespace(attn=attn, kvw=kvw, fused=fused, backend=TritonAttentionBackend())
+    attn, kvw, gemv, fused = mods
+    yield SimpleNamespace(attn=attn, kvw=kvw, gemv=gemv, fused=fused,
+                          backend=TritonAttentionBackend())
     undo_shim()
 
 
@@ -216,6 +219,24 @@ def test_fused_add_rmsnorm(kernels, with_residual):
     ref_out, ref_res = kernels.fused.fused_add_rmsnorm_ref(x, res, w, 1e-6)
     torch.testing.assert_close(new_res, ref_res)
     torch.testing.assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("m,n,k,bias", [(1, 24, 40, False), (3, 37, 64, True),
+                                        (8, 16, 100, False), (9, 8, 16, False)])
+def test_skinny_linear(kernels, m, n, k, bias):
+    """Few-row matmul (the decode projections) vs fp32 torch; more rows than MAX_M take
+    F.linear. The layers' ``linear`` is this kernel."""
+    g = torch.Generator().manual_seed(m * 100 + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.gemv.skinny_linear(x, w, b)
+    torch.testing.assert_close(got, kernels.gemv.skinny_linear_ref(x, w, b), rtol=1e-5, atol=1e-4)
+    # Non-contiguous rows (a flattened view) and an explicit tile config.
+    wide = torch.randn(m, 2 * k, generator=g)[:, :k]
+    got = kernels.gemv.skinny_linear(wide, w, b, config=(16, 8, 16, 4))
+    torch.testing.assert_close(got, kernels.gemv.skinny_linear_ref(wide, w, b), rtol=1e-5,
+                               atol=1e-4)
+    assert kernels.fused.linear is kernels.gemv.skinny_linear
 
 
 def test_silu_and_mul(kernels):

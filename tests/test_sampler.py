@@ -446,3 +446,13 @@ def test_cuda_graph_replay_matches_eager_and_cpu() -> None:
     state_cpu.set(0, SamplingParams(temperature=0.0), 1)
     on_cpu = sample(logits.cpu(), slots.cpu(), out_pos.cpu(), state_cpu)
     assert (on_cpu == again.cpu()).float().mean() >= 0.75
+
+
+def test_argmax_rows_matches_argmax_with_ties():
+    from replaylm.sampling.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    for vocab in (128256, 151936, 4096, 1000):
+        x = torch.randint(0, 30, (4, vocab), generator=g).float()  # many ties per row
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+        assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(-1))

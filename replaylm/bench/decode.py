@@ -246,6 +246,8 @@ def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: 
         json.dump(result, f, indent=1)
     log(format_summary(f"mode={row.mode} batch={row.batch}", result["summary"],
                        result.get("trace_gpu_busy_share")))
+    for name, us, launches in result.get("top_kernels_us_per_token", [])[:10]:
+        log(f"[profile]   {us:8.2f} us/token  {launches:6.2f}x  {name}")
     return {"summary": result["summary"], "trace": result.get("trace"),
             "trace_gpu_busy_share": result.get("trace_gpu_busy_share")}
 

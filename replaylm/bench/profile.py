@@ -9,7 +9,9 @@ device timestamps:
   counted here too, so the idle figure is a lower bound — the Chrome trace shows every kernel);
 - GPU idle before step N = ``start_N - end_{N-1}``, floored at 0 (the device ran out of work
   because the host had not launched step N yet);
-- CPU time = host wall time of the ``step()`` call.
+- CPU time = host wall time of the ``step()`` call; CPU wait = the part of it spent waiting
+  for the previous step's samples (with overlap scheduling the host then has nothing left to
+  do: the device is the bottleneck). CPU time minus CPU wait is the host's own work per step.
 
 ``profile_run`` drives a ``generate`` under the observer and, when a path is given, a second
 short run under ``torch.profiler`` that writes a Chrome/Perfetto trace; ``kernel_busy_share``
@@ -35,6 +37,7 @@ class StepSample:
     tier: int | None
     tokens: int
     cpu_ms: float
+    cpu_wait_ms: float = 0.0
     gpu_busy_ms: float | None = None
     gpu_idle_ms: float | None = None
     graph_nodes: int | None = None
@@ -49,12 +52,14 @@ class StepProfiler:
         self.samples: list[StepSample] = []
         self._events: list[tuple[Any, Any]] = []
         self._t0 = 0.0
+        self._wait = 0.0
         self._start = None
 
     # Hooks called by EngineCore.step ------------------------------------------------------
 
     def begin(self) -> None:
         self._t0 = time.perf_counter()
+        self._wait = 0.0
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -68,9 +73,13 @@ class StepProfiler:
             end.record()
             self._events.append((self._start, end))
 
+    def waited(self, seconds: float) -> None:
+        self._wait += seconds
+
     def end(self, launched: bool) -> None:
         if launched:
             self.samples[-1].cpu_ms = (time.perf_counter() - self._t0) * 1e3
+            self.samples[-1].cpu_wait_ms = self._wait * 1e3
 
     # Results ---------------------------------------------------------------------------------
 
@@ -100,6 +109,7 @@ def summarize(samples: list[StepSample], skip: int = 1) -> dict[str, Any]:
         "steps": len(samples),
         "steady_steps": len(steady),
         "cpu_ms_median": med([s.cpu_ms for s in steady]),
+        "cpu_work_ms_median": med([s.cpu_ms - s.cpu_wait_ms for s in steady]),
         "gpu_busy_ms_median": med([s.gpu_busy_ms for s in steady]),
         "gpu_idle_ms_median": med([s.gpu_idle_ms for s in steady]),
         "gpu_idle_share": round(idle / (busy + idle), 4) if busy + idle > 0 else None,
@@ -110,7 +120,7 @@ def summarize(samples: list[StepSample], skip: int = 1) -> dict[str, Any]:
 
 
 def profile_run(llm: Any, prompts: list[list[int]], params: Any,
-                trace_path: str | None = None, trace_tokens: int = 16) -> dict[str, Any]:
+                trace_path: str | None = None, trace_tokens: int = 64) -> dict[str, Any]:
     """One ``generate`` under the step profiler; optionally a short traced one as well."""
     core = llm.engine
     prof = StepProfiler(core.runner.device, core.runner.graphs.stats.nodes)
@@ -133,17 +143,36 @@ def profile_run(llm: Any, prompts: list[list[int]], params: Any,
         p.export_chrome_trace(trace_path)
         result["trace"] = trace_path
         result["trace_gpu_busy_share"] = kernel_busy_share(trace_path)
+        result["top_kernels_us_per_token"] = top_kernels(trace_path, short.max_tokens)
     return result
+
+
+def _device_spans(trace_path: str) -> list[dict[str, Any]]:
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return [e for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def top_kernels(trace_path: str, tokens: int, n: int = 15) -> list[tuple[str, float, float]]:
+    """The ``n`` kernels with the most device time in a trace: (name, µs and launches per
+    generated token). Prefill kernels are included, spread over the tokens."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in _device_spans(trace_path):
+        name = str(e.get("name", "?"))[:90]
+        total[name] = total.get(name, 0.0) + float(e.get("dur", 0.0))
+        count[name] = count.get(name, 0) + 1
+    top = sorted(total, key=total.get, reverse=True)[:n]
+    per = max(1, tokens)
+    return [(k, round(total[k] / per, 2), round(count[k] / per, 2)) for k in top]
 
 
 def kernel_busy_share(trace_path: str) -> float | None:
     """Share of the window from the first to the last device activity that some kernel or
     copy was running, from a Chrome trace written by ``torch.profiler``."""
-    with open(trace_path) as f:
-        events = json.load(f).get("traceEvents", [])
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-                   for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+                   for e in _device_spans(trace_path))
     if not spans:
         return None
     busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
@@ -166,7 +195,7 @@ def format_summary(label: str, summary: dict[str, Any], busy_share: float | None
     idle = summary.get("gpu_idle_share")
     trace = "" if busy_share is None else f", trace GPU busy {100 * busy_share:.1f}%"
     return (f"[profile] {label}: {summary['steady_steps']} steps; per step CPU "
-            f"{f(summary['cpu_ms_median'], ' ms')}, GPU busy {f(summary['gpu_busy_ms_median'], ' ms')}, "
+            f"{f(summary['cpu_ms_median'], ' ms')} (work {f(summary['cpu_work_ms_median'], ' ms')}), GPU busy {f(summary['gpu_busy_ms_median'], ' ms')}, "
             f"GPU idle {f(summary['gpu_idle_ms_median'], ' ms')} "
             f"({'n/a' if idle is None else f'{100 * idle:.1f}%'}), graph nodes "
             f"{f(summary['graph_nodes'])}{trace}; graphs {','.join(summary['modes'])}")

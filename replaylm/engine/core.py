@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +259,11 @@ class EngineCore:
 
     def _resolve(self, out: SchedulerOutput, pending: PendingStep | None) -> list[RequestDelta]:
         """Wait for a launched step's samples and apply them (stop checks, deltas)."""
+        obs = self.step_observer
+        t0 = time.perf_counter() if obs is not None else 0.0
         sampled = pending.tokens() if pending is not None else []
+        if obs is not None:
+            obs.waited(time.perf_counter() - t0)
         attach_logprobs(out, pending)
         changed = self.scheduler.update(out, sampled)
         return [self._delta(req) for req in changed]

@@ -28,6 +28,7 @@ from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.stand_in import StandInGraph
 from replaylm.graphs.tiers import round_up
 from replaylm.model.llama import CausalLM
+from replaylm.sampling.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ class _Graph:
     def __init__(self, name: str, device: torch.device, pool, static_getters) -> None:
         self.name, self.device, self.pool, self.static = name, device, pool, static_getters
         self.cuda = device.type == "cuda"
-        self.graph = torch.cuda.CUDAGraph() if self.cuda else StandInGraph(name)
+        # keep_graph: the cudaGraph_t stays readable after instantiation, to count its nodes.
+        self.graph = _cuda_graph() if self.cuda else StandInGraph(name)
         self.outputs: list[torch.Tensor] = []
 
     def capture(self, fn: Callable[[], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
@@ -98,6 +100,8 @@ class _Graph:
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(self.graph, pool=self.pool):
             self.outputs = list(fn())
+        if hasattr(self.graph, "instantiate"):
+            self.graph.instantiate()  # a kept graph is instantiated on demand: do it now
         return self.outputs
 
     def replay(self) -> None:
@@ -110,9 +114,12 @@ class _Graph:
         try:
             from cuda.bindings import runtime as cudart
 
-            err, _, count = cudart.cudaGraphGetNodes(self.graph.raw_cuda_graph(), 0)
+            raw = self.graph.raw_cuda_graph()
+            handle = cudart.cudaGraph_t(init_value=raw) if isinstance(raw, int) else raw
+            err, _, count = cudart.cudaGraphGetNodes(handle, 0)
             return int(count) if int(err) == 0 else None
-        except Exception:  # cuda-python missing, or a torch without raw_cuda_graph()
+        except Exception as e:  # cuda-python missing, or a torch without raw_cuda_graph()
+            log.debug("graph node count unavailable: %s", e)
             return None
 
 
@@ -249,7 +256,7 @@ class GraphRuntime:
         return [logits, self._greedy(logits, b)]
 
     def _greedy(self, logits: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         self.last_token.index_copy_(0, b.sample_slots, tokens)
         return tokens
 
@@ -362,6 +369,13 @@ class GraphRuntime:
                     f"graph check failed: mode {self.mode}, graph {key}, first differing "
                     f"segment: {segment} (output {i}), max abs diff {diff:.3g}"
                 )
+
+
+def _cuda_graph() -> torch.cuda.CUDAGraph:
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:  # older torch: no keep_graph, so no node counts
+        return torch.cuda.CUDAGraph()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ dense link; a full graph captures the whole of ``forward``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from replaylm.attention.backend import AttentionBackend, AttentionMetadata
@@ -59,7 +60,8 @@ class DecoderLayer(nn.Module):
         kops = self.kernels
         add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
         x, residual = add_norm(hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
-        qkv = self.qkv_proj(x)
+        linear = kops.linear if kops else F.linear
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -85,12 +87,13 @@ class DecoderLayer(nn.Module):
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
         kops = self.kernels
-        hidden = self.o_proj(attn_out.flatten(1))
+        linear = kops.linear if kops else F.linear
+        hidden = linear(attn_out.flatten(1), self.o_proj.weight)
         add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
         x, residual = add_norm(hidden, residual, self.post_attention_layernorm.weight,
                                self.cfg.rms_norm_eps)
         act = kops.silu_and_mul if kops else ops.silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x))), residual
+        return linear(act(linear(x, self.gate_up_proj.weight)), self.down_proj.weight), residual
 
 
 class CausalLM(nn.Module):

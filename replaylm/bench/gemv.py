@@ -1,0 +1,96 @@
+"""Skinny-matmul benchmark: the decode projections of the named shapes, cuBLAS vs
+``replaylm.kernels.gemv``, as achieved weight bandwidth (TB/s).
+
+Each kernel is captured 50 times in one CUDA graph and replayed, so launch overhead is out of
+the figure (as inside a decode graph). ``--sweep`` also times a grid of configurations.
+
+    python -m replaylm.bench.gemv --json OUT.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from replaylm.kernels.gemv import pick_config, skinny_linear
+from replaylm.model.config import ModelConfig
+from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
+
+REPS = 50
+
+
+def projections(shape: str) -> list[tuple[str, int, int]]:
+    cfg = ModelConfig.from_hf(hf_config_from_dict(NAMED_SHAPES[shape]), shape)
+    h = cfg.hidden_size
+    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h), ("o", h, cfg.q_size),
+            ("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size)]
+
+
+def time_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(REPS):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / REPS)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qwen3-0.6b,llama3.2-1b,llama3-8b")
+    ap.add_argument("--m", default="1,4,8")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args(argv)
+    rows = []
+    for shape in ns.shapes.split(","):
+        for (name, n, k), m in itertools.product(projections(shape),
+                                                 [int(v) for v in ns.m.split(",")]):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nbytes = w.numel() * 2
+            ref = torch.nn.functional.linear(x, w)
+            got = skinny_linear(x, w)
+            err = (got.float() - ref.float()).abs().max().item()
+            t_cublas = time_us(lambda: torch.nn.functional.linear(x, w))
+            t_ours = time_us(lambda: skinny_linear(x, w))
+            row = {"shape": shape, "proj": name, "m": m, "n": n, "k": k,
+                   "config": pick_config(m, n, k), "max_abs_err": err,
+                   "cublas_us": round(t_cublas, 2), "ours_us": round(t_ours, 2),
+                   "cublas_tbs": round(nbytes / t_cublas / 1e6, 2),
+                   "ours_tbs": round(nbytes / t_ours / 1e6, 2)}
+            if ns.sweep and m in (1, 8):
+                best = None
+                bm = pick_config(m, n, k)[0]
+                for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)):
+                    if bm * bn * bk > 16384:
+                        continue
+                    t = time_us(lambda: skinny_linear(x, w, config=(bm, bn, bk, warps)))
+                    if best is None or t < best[0]:
+                        best = (t, (bm, bn, bk, warps))
+                row["sweep_best"] = {"us": round(best[0], 2), "config": best[1],
+                                     "tbs": round(nbytes / best[0] / 1e6, 2)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
