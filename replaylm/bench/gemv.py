@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from replaylm.kernels.gemv import pick_config, skinny_linear
+from replaylm.kernels.gemv import graph_time_us, pick_config, skinny_linear
 from replaylm.model.config import ModelConfig
 from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
 
@@ -30,23 +30,7 @@ def projections(shape: str) -> list[tuple[str, int, int]]:
 
 
 def time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / REPS)
-    return best
+    return graph_time_us(fn, reps=REPS, trials=5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = torch.nn.functional.linear(x, w)
             got = skinny_linear(x, w)
             err = (got.float() - ref.float()).abs().max().item()
-            t_cublas = time_us(lambda: torch.nn.functional.linear(x, w))
-            t_ours = time_us(lambda: skinny_linear(x, w))
+            t_cublas = time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            t_ours = time_us(lambda x=x, w=w: skinny_linear(x, w))
             row = {"shape": shape, "proj": name, "m": m, "n": n, "k": k,
                    "config": pick_config(m, n, k), "max_abs_err": err,
                    "cublas_us": round(t_cublas, 2), "ours_us": round(t_ours, 2),
@@ -79,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)):
                     if bm * bn * bk > 16384:
                         continue
-                    t = time_us(lambda: skinny_linear(x, w, config=(bm, bn, bk, warps)))
+                    cfg = (bm, bn, bk, warps)
+                    t = time_us(lambda x=x, w=w, cfg=cfg: skinny_linear(x, w, config=cfg))
                     if best is None or t < best[0]:
                         best = (t, (bm, bn, bk, warps))
                 row["sweep_best"] = {"us": round(best[0], 2), "config": best[1],

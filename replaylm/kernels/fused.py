@@ -10,8 +10,8 @@ than merely "within tolerance".
 * :func:`rotary` — neox rotary on q and k, optionally preceded by Qwen3's per-head q/k
   RMSNorm and followed by the KV-cache write of k and v (one launch for the whole
   post-projection part of the "before" segment).
-* ``linear`` — the decode projections (``replaylm.kernels.gemv``: few-row matmuls as weight
-  streams; cuBLAS above ``MAX_M`` rows).
+* ``linear`` — the projections (``replaylm.kernels.gemv``: at a few rows, the faster of
+  cuBLAS and a weight-streaming kernel, measured per shape; cuBLAS above ``MAX_M`` rows).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from replaylm.attention.backend import BLOCK_SIZE
-from replaylm.kernels.gemv import skinny_linear as linear  # noqa: F401  (the layers' linear)
+from replaylm.kernels.gemv import linear  # noqa: F401  (the layers' projections)
 
 # --------------------------------------------------------------------------- references
 

@@ -215,6 +215,13 @@ def test_skinny_linear_gpu(m, n, k):
     got = skinny_linear(x, w, b)
     torch.testing.assert_close(got, skinny_linear_ref(x, w, b), atol=2e-2, rtol=2e-2)
     assert torch.equal(got, skinny_linear(x, w, b))
+    from replaylm.kernels.gemv import LINEAR_CHOICES, linear
+
+    chosen = linear(x, w, b)  # measures both once, then keeps the faster
+    if m <= 8:
+        assert (m, n, k, x.dtype, True) in LINEAR_CHOICES
+    torch.testing.assert_close(chosen, skinny_linear_ref(x, w, b), atol=2e-2, rtol=2e-2)
+    assert torch.equal(chosen, linear(x, w, b))
 
 
 def test_argmax_rows_gpu():
