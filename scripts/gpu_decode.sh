@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# One device call for decode speed (issue 6): batch 1 on the three named shapes in the whole-
-# model graph modes with the per-step profile, graph vs eager and overlap on/off on 1B, and
-# 256 requests on 1B. Results (JSON, profiles, traces) go to $OUT.
+# Decode speed on the H200 (issue 6), in two device calls:
+#   bash scripts/gpu_decode.sh 1b      GPU tests; 1B batch 1 in every mode (eager included:
+#                                      graph vs eager in one run) and 256 requests per mode
+#   bash scripts/gpu_decode.sh others  0.6B and 8B batch 1 in every graph mode; 1B with
+#                                      overlap scheduling off
+# Batch-1 rows are profiled (--profile). JSON, per-step profiles and logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-.}
+MODES=full,piecewise,full_and_piecewise,ragged
 bench() { timeout "$1" python -m replaylm bench decode "${@:2}" 2>&1 \
   | grep -E "^\[bench\]|^\[profile\]|^(eager|full|piece|ragged)|Error|error" ; }
-for shape in qwen3-0.6b llama3.2-1b llama3-8b; do
-  bench 150 --model $shape --batch-sizes 1 --modes full,ragged --profile "$OUT/prof_$shape" \
-    --json "$OUT/b1_$shape.json"
-done
-bench 60 --model llama3.2-1b --batch-sizes 1 --modes eager --json "$OUT/b1_1b_eager.json"
-bench 60 --model llama3.2-1b --batch-sizes 1 --modes full --no-overlap-scheduling \
-  --profile "$OUT/prof_1b_sync" --json "$OUT/b1_1b_sync.json"
-bench 150 --model llama3.2-1b --batch-sizes 256 --modes full,ragged --json "$OUT/b256_1b.json"
+clean() { rm -f "$OUT"/prof_*/*.trace.json; }  # traces are large; the summaries stay
+if [ "${1:-1b}" = 1b ]; then
+  timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/gpu tests/test_sampler.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  bench 200 --model llama3.2-1b --batch-sizes 1 --modes eager,$MODES \
+    --profile "$OUT/prof_llama3.2-1b" --json "$OUT/b1_llama3.2-1b.json"
+  bench 200 --model llama3.2-1b --batch-sizes 256 --modes $MODES --json "$OUT/b256_1b.json"
+else
+  for shape in qwen3-0.6b llama3-8b; do
+    bench 250 --model $shape --batch-sizes 1 --modes $MODES --profile "$OUT/prof_$shape" \
+      --json "$OUT/b1_$shape.json"
+  done
+  bench 60 --model llama3.2-1b --batch-sizes 1 --modes full --no-overlap-scheduling \
+    --profile "$OUT/prof_1b_sync" --json "$OUT/b1_1b_sync.json"
+fi
+clean

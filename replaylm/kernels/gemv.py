@@ -117,6 +117,9 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20, trials: int = 3) -> 
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    # Free the graph now: left to the garbage collector, its destructor could run while a
+    # later graph is being captured, which invalidates that capture.
+    g.reset()
     return best
 
 
