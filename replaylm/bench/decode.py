@@ -212,7 +212,7 @@ def run_decode_bench(
         g = llm.graph_stats()
         log(f"[bench] mode={llm.graph_mode} engine ready in {time.perf_counter() - start:.1f} s "
             f"on {llm.device}; captured {g['num_graphs']} graphs in {g['capture_seconds']} s, "
-            f"{g['graph_mib']} MiB")
+            f"{g['graph_mib']} MiB; kernel tuning {llm.engine.runner.tune_seconds:.1f} s")
         device_name = device_name_of(llm.device)
         for bs in batch_sizes:
             if bs == 1:

@@ -2,7 +2,8 @@
 ``replaylm.kernels.gemv``, as achieved weight bandwidth (TB/s).
 
 Each kernel is captured 50 times in one CUDA graph and replayed, so launch overhead is out of
-the figure (as inside a decode graph). ``--sweep`` also times a grid of configurations.
+the figure (as inside a decode graph). ``--sweep`` times every tile candidate the engine's
+``linear`` chooses from and reports the best.
 
     python -m replaylm.bench.gemv --json OUT.json [--sweep]
 """
@@ -14,8 +15,9 @@ import itertools
 import json
 
 import torch
+import triton
 
-from replaylm.kernels.gemv import graph_time_us, pick_config, skinny_linear
+from replaylm.kernels.gemv import CANDIDATES, graph_time_us, pick_config, skinny_linear
 from replaylm.model.config import ModelConfig
 from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
 
@@ -51,24 +53,25 @@ def main(argv: list[str] | None = None) -> int:
             got = skinny_linear(x, w)
             err = (got.float() - ref.float()).abs().max().item()
             t_cublas = time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-            t_ours = time_us(lambda x=x, w=w: skinny_linear(x, w))
             row = {"shape": shape, "proj": name, "m": m, "n": n, "k": k,
-                   "config": pick_config(m, n, k), "max_abs_err": err,
-                   "cublas_us": round(t_cublas, 2), "ours_us": round(t_ours, 2),
-                   "cublas_tbs": round(nbytes / t_cublas / 1e6, 2),
-                   "ours_tbs": round(nbytes / t_ours / 1e6, 2)}
-            if ns.sweep and m in (1, 8):
-                best = None
-                bm = pick_config(m, n, k)[0]
-                for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512), (4, 8)):
-                    if bm * bn * bk > 16384:
-                        continue
-                    cfg = (bm, bn, bk, warps)
-                    t = time_us(lambda x=x, w=w, cfg=cfg: skinny_linear(x, w, config=cfg))
-                    if best is None or t < best[0]:
-                        best = (t, (bm, bn, bk, warps))
-                row["sweep_best"] = {"us": round(best[0], 2), "config": best[1],
-                                     "tbs": round(nbytes / best[0] / 1e6, 2)}
+                   "max_abs_err": err, "cublas_us": round(t_cublas, 2),
+                   "cublas_tbs": round(nbytes / t_cublas / 1e6, 2)}
+            if ns.sweep:
+                bm = triton.next_power_of_2(m)
+                times = {}
+                for bn, bk, warps in CANDIDATES[bm]:
+                    cfg = (bm, bn, min(bk, triton.next_power_of_2(k)), warps)
+                    times[cfg] = time_us(lambda x=x, w=w, cfg=cfg: skinny_linear(x, w, config=cfg))
+                best = min(times, key=times.get)
+                row["ours_us"] = round(times[best], 2)
+                row["ours_tbs"] = round(nbytes / times[best] / 1e6, 2)
+                row["config"] = best
+                row["all_us"] = {str(c): round(t, 2) for c, t in times.items()}
+            else:
+                t_ours = time_us(lambda x=x, w=w: skinny_linear(x, w))
+                row["ours_us"] = round(t_ours, 2)
+                row["ours_tbs"] = round(nbytes / t_ours / 1e6, 2)
+                row["config"] = pick_config(m, n, k)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if ns.json:

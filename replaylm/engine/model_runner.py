@@ -44,7 +44,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 #: The mode ``cuda_graph_mode=None`` picks on a GPU (see README, "CUDA graphs").
-DEFAULT_GPU_GRAPH_MODE = "full"
+DEFAULT_GPU_GRAPH_MODE = "ragged"
 WHOLE_MODEL_MODES = ("full", "full_and_piecewise", "ragged")
 
 
@@ -119,6 +119,7 @@ class ModelRunner:
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
         self._warm_sampler()
+        self.tune_seconds = self._tune_linears()
         self.graphs.capture()
 
     def _resolve_tiers(self) -> tuple[list[int], list[int], str]:
@@ -139,6 +140,29 @@ class ModelRunner:
             decode, tiers = decode_default, token_default
         log.info("graph tiers (%s): %s", self.graph_mode, report)
         return decode, tiers, report
+
+    @torch.inference_mode()
+    def _tune_linears(self) -> float:
+        """Decide the projections' kernels (``kernels.gemv.linear``) for every graph tier with
+        few enough tokens, before capture, so capture time is capture alone. Decisions are
+        cached on disk; returns the seconds spent."""
+        if self.model.kernels is None:
+            return 0.0
+        from replaylm.kernels.gemv import MAX_M, linear
+
+        start = time.perf_counter()
+        sizes = sorted({t for t in self.decode_tiers + self.token_tiers if t <= MAX_M} | {1})
+        layer = self.model.layers[0]
+        projections = [(layer.qkv_proj.weight, layer.qkv_proj.bias), (layer.o_proj.weight, None),
+                       (layer.gate_up_proj.weight, None), (layer.down_proj.weight, None)]
+        for m in sizes:
+            for weight, bias in projections:
+                linear(torch.zeros(m, weight.shape[1], dtype=self.dtype, device=self.device),
+                       weight, bias)
+        seconds = time.perf_counter() - start
+        log.info("projection kernels chosen for %d row counts in %.2f s (cached on disk)",
+                 len(sizes), seconds)
+        return seconds
 
     def _warm_sampler(self) -> None:
         """Build the sampler's cached tables now, not inside a step that may be captured."""

@@ -198,6 +198,11 @@ class GraphRuntime:
         jobs = [("full", t) for t in self.decode_tiers] + [
             ("piecewise" if self.uses_piecewise else "ragged", t) for t in self.token_tiers]
         jobs.sort(key=lambda j: -j[1])  # largest first: smaller ones reuse its pool memory
+        if self.device.type == "cuda":
+            # Cached free blocks would be handed back under memory pressure during capture and
+            # make the graphs' memory read low (even negative): start from a trimmed cache.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         before = _reserved(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
