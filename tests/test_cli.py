@@ -68,3 +68,25 @@ def test_resolve_model_unknown_name_lists_shapes() -> None:
 
     with pytest.raises(FileNotFoundError, match="llama3.2-1b"):
         resolve_model("no-such-model-anywhere")
+
+
+def test_bench_decode_profile_writes_steps_and_trace(tmp_path, capsys) -> None:
+    """--profile: per-step samples (CPU time, graph nodes) and a Chrome trace per row."""
+    prof = tmp_path / "prof"
+    rc = main([
+        "bench", "decode", "--model", "default", "--device", "cpu", "--batch-sizes", "1",
+        "--new-tokens", "6", "--prompt-len", "8", "--repeats", "1", "--modes", "ragged",
+        "--graph-tiers", "1,8", "--profile", str(prof),
+    ])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "[profile] mode=ragged batch=1" in out and "graph nodes" in out
+    steps = json.loads((prof / "ragged_b1.steps.json").read_text())
+    assert len(steps["steps"]) == 6  # one per launched step: the prefill and 5 decodes
+    decode = steps["steps"][1:]
+    assert all(s["mode"] == "ragged" and s["tier"] == 1 and s["cpu_ms"] > 0 for s in decode)
+    # The CPU stand-in counts the kernels its capture dispatched: the graph's nodes.
+    assert all(s["graph_nodes"] and s["graph_nodes"] > 10 for s in decode)
+    assert steps["summary"]["graph_nodes"] == decode[0]["graph_nodes"]
+    trace = json.loads((prof / "ragged_b1.trace.json").read_text())
+    assert trace["traceEvents"]

@@ -87,16 +87,11 @@ def step_sync(sched: Scheduler, out: SchedulerOutput, runner: FakeRunner) -> lis
     return sched.update(out, sampled)
 
 
-def check_in_flight_blocks_not_free(sched: Scheduler, inflight: SchedulerOutput | None) -> None:
-    """No block of a launched, unresolved step is back in the free pool (where the next step
-    could hand it to another request while the launched one still writes it)."""
-    if inflight is None:
-        return
-    used = {b for s in inflight.scheduled for b in s.request.block_ids}
-    freed = used & set(sched.block_manager._free)
+def check_in_flight_blocks_not_free(sched: Scheduler, blocks: set[int]) -> None:
+    """No block a launched, unresolved step was given is back in the free pool (where the next
+    step could hand it to another request while the launched one still writes it)."""
+    freed = blocks & set(sched.block_manager._free)
     assert not freed, f"blocks {sorted(freed)} of the in-flight step are free"
-    for s in inflight.scheduled:
-        assert s.request.slot >= 0, f"{s.request!r} lost its slot while in flight"
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -140,15 +135,18 @@ def drive(
             launched = (out, runner.run(out))
             sched.launched(out)
             outs.append(out)
+            blocks = {b for s in out.scheduled for b in s.request.block_ids}
         else:
             assert inflight is not None or not sched.has_unfinished, "stalled with work left"
         if overlap:
-            check_in_flight_blocks_not_free(sched, inflight and inflight[0])
             resolve, inflight = inflight, launched
         else:
             resolve = launched
         if resolve is not None:
             sched.update(*resolve)
+        # Resolving may finish requests that the step still in flight uses.
+        if overlap and launched is not None:
+            check_in_flight_blocks_not_free(sched, blocks)
         sched.check_integrity()
         step += 1
         assert step < max_steps, "did not finish"
@@ -401,7 +399,8 @@ def test_property_random_traffic(data: st.DataObject) -> None:
                 st.integers(0, 30),  # arrival step
                 st.integers(1, max_model_len - 1),  # prompt length
                 st.integers(1, 40),  # max_tokens
-                st.sampled_from([(), (3,), (500, 999)]),  # eos ids
+                # eos ids; the last set stops ~1 token in 9, often while a step is in flight
+                st.sampled_from([(), (3,), (500, 999), tuple(range(0, 1000, 9))]),
             ),
             min_size=1,
             max_size=10,
