@@ -130,7 +130,9 @@ class StepSampler:
         if plan is not None:
             prompt_lp = device_logprobs(logits[num_sampled:], plan.targets, max(plan.ks))
         pin = self.device.type == "cuda"
-        host_tokens = tokens
+        # Off CUDA there is no copy to the host: keep a snapshot, since ``tokens`` may be a
+        # graph's output that the next step (launched before this one is read) overwrites.
+        host_tokens = tokens if pin else tokens.clone()
         event = None
         if pin:
             host_tokens = self._pinned[self._flip][: tokens.shape[0]]
