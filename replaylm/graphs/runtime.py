@@ -48,7 +48,7 @@ class GraphStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     num_graphs: int = 0
-    nodes: dict[str, int] = field(default_factory=dict)  # "mode:tier" -> kernel nodes per step
+    nodes: dict[str, int] = field(default_factory=dict)  # "mode:tier" -> graph nodes per step
     capture_seconds: float = 0.0
     graph_mib: float = 0.0
     checks: int = 0
