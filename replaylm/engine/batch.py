@@ -89,8 +89,8 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
     ids: list[int] = []
     from_rows: list[int] = []
     from_slots: list[int] = []
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
+    positions: list[int] = []
+    slots: list[int] = []
     cu = [0]
     kv_lens: list[int] = []
     req_slots: list[int] = []
@@ -99,18 +99,20 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
     logits_idx: list[int] = []
     sample_slots: list[int] = []
     out_pos: list[int] = []
+    # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
+    # loop is per-step host time, and small numpy arrays per request cost more than they save.
     for sr in out.scheduled:
         req, start, n = sr.request, sr.start, sr.num_new_tokens
         base = len(ids)
-        ids.extend(req.token_slice(start, start + n))
+        end = start + n
+        ids.extend(req.token_slice(start, end))
         last_out = req.num_tokens - 1
-        if last_out >= req.num_prompt_tokens and start <= last_out < start + n \
+        if last_out >= req.num_prompt_tokens and start <= last_out < end \
                 and req.device_token_slot == req.slot:
             from_rows.append(base + last_out - start)
             from_slots.append(req.slot)
         elif req.num_pending:
             raise AssertionError(f"{req!r}: a pending token must be read on the device")
-        pos = np.arange(start, start + n)
         blocks = req.block_ids
         if len(blocks) > req.table_len:
             row = req.slot * max_blocks
@@ -118,14 +120,15 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
             t_value.extend(blocks[req.table_len:])
             req.table_len = len(blocks)
         if n == 1:
-            p = start
-            slots.append(np.array([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE]))
+            positions.append(start)
+            slots.append(blocks[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE)
         else:
+            pos = np.arange(start, end)
             b = np.asarray(blocks, dtype=np.int64)
-            slots.append(b[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-        positions.append(pos)
+            positions.extend(range(start, end))
+            slots.extend((b[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).tolist())
         cu.append(len(ids))
-        kv_lens.append(start + n)
+        kv_lens.append(end)
         req_slots.append(req.slot)
         if sr.sample:
             req.device_token_slot = req.slot  # the sampler writes last_token[slot]
@@ -137,8 +140,8 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
         input_ids=np.asarray(ids, dtype=i64),
         from_device_rows=np.asarray(from_rows, dtype=i64),
         from_device_slots=np.asarray(from_slots, dtype=i64),
-        positions=np.concatenate(positions).astype(i64),
-        slot_mapping=np.concatenate(slots).astype(i64),
+        positions=np.asarray(positions, dtype=i64),
+        slot_mapping=np.asarray(slots, dtype=i64),
         cu_seqlens_q=np.asarray(cu, dtype=i32),
         kv_lens=np.asarray(kv_lens, dtype=i32),
         req_slots=np.asarray(req_slots, dtype=i32),

@@ -190,6 +190,8 @@ class BlockManager:
         # Pending samples (overlap scheduling) are computed but not known yet: not hashable.
         done = min(req.num_computed_tokens, req.num_known_tokens)
         full = min(done // bs, len(req.block_ids))
+        if full <= len(req.block_hashes):
+            return  # the common case: no block completed since the last call
         parent, parent_serial = req.block_hashes[-1] if req.block_hashes else (ROOT_HASH, 0)
         for i in range(len(req.block_hashes), full):
             chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))

@@ -217,7 +217,8 @@ class Scheduler:
             assert req.num_computed_tokens == s.start, f"{req!r} moved since scheduled at {s.start}"
             req.num_computed_tokens += s.num_new_tokens
             req.inflight += 1
-            self.block_manager.register(req)  # known tokens only: a hit runs after this step
+            if s.num_new_tokens > 1:  # a prompt chunk: its known tokens can be matched at once
+                self.block_manager.register(req)  # (a hit runs after this step on the device)
             if s.sample:
                 req.num_pending += 1
 
