@@ -19,7 +19,8 @@ class RequestDelta:
       included (unless ``include_stop_str_in_output``).
     - ``finished`` / ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``) / ``stop_reason``
       (the stop string or stop token id that ended it; ``None`` for EOS or other reasons). A
-      finished request's blocks are already freed when the delta is returned.
+      finished request's blocks are freed when the delta is returned, or, with overlap
+      scheduling, when the step already launched for it resolves (the next ``step()``).
     - ``logprobs``: with ``SamplingParams.logprobs``, one ``TokenLogprobs`` per new token
       (``token_id``, ``logprob``, ``rank``, ``top`` = {token id: logprob} of the top-k).
     - ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, on the sibling-0 delta that
