@@ -1,14 +1,14 @@
 """Per-step profile of the engine: CPU time, GPU busy and idle time, graph nodes.
 
 ``StepProfiler`` hooks into ``EngineCore.step`` (``core.step_observer``). On CUDA it records
-one event when a step starts enqueueing work and one after its last launch; with the events'
-device timestamps:
+one event right before a step's first launch and one after its last; with the events' device
+timestamps:
 
 - GPU busy of step N = ``end_N - start_N`` (the device executing step N's copies, replay and
-  sampling; a gap inside a step, where the device waits for the host to enqueue the rest, is
-  counted here too, so the idle figure is a lower bound — the Chrome trace shows every kernel);
-- GPU idle before step N = ``start_N - end_{N-1}``, floored at 0 (the device ran out of work
-  because the host had not launched step N yet);
+  sampling, all enqueued back to back);
+- GPU idle before step N = ``start_N - end_{N-1}``, floored at 0: the device had finished step
+  N-1 before the host got to launch step N (while it scheduled, built the batch, or processed
+  outputs). The Chrome trace shows every kernel, for gaps between a graph's own nodes;
 - CPU time = host wall time of the ``step()`` call; CPU wait = the part of it spent waiting
   for the previous step's samples (with overlap scheduling the host then has nothing left to
   do: the device is the bottleneck). CPU time minus CPU wait is the host's own work per step.
@@ -60,6 +60,8 @@ class StepProfiler:
     def begin(self) -> None:
         self._t0 = time.perf_counter()
         self._wait = 0.0
+
+    def launching(self) -> None:
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()

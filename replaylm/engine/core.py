@@ -112,7 +112,8 @@ class EngineCore:
         self._arrivals = itertools.count()
         # Overlap scheduling: the launched step not yet resolved (its output and samples).
         self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
-        # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin/launched/end.
+        # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
+        # launched, waited, end.
         self.step_observer: Any = None
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
@@ -237,7 +238,8 @@ class EngineCore:
         self.stats.preemptions += len(out.preempted)
         launched = None
         if not out.is_empty:
-            pending, dispatch, padded = self.runner.execute(out)
+            pending, dispatch, padded = self.runner.execute(
+                out, on_launch=obs.launching if obs is not None else None)
             if obs is not None:
                 obs.launched(dispatch.kind, dispatch.tier, out.num_batched_tokens)
             self.scheduler.launched(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -260,15 +261,19 @@ class ModelRunner:
         self.sampler.admit(req)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[PendingStep | None, Dispatch, int]:
+    def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None
+                ) -> tuple[PendingStep | None, Dispatch, int]:
         """Launch one step; returns the pending samples, the dispatch and the padded size.
 
         Nothing here waits for the device: the samples are read later, from the
-        ``PendingStep``.
+        ``PendingStep``. ``on_launch`` runs after the host-only work, right before the step's
+        first device operation (the profiler's start event).
         """
+        host = build_host_batch(out, self.max_blocks_per_req)
+        if on_launch is not None:
+            on_launch()
         for req in out.newly_slotted:
             self.admit(req)
-        host = build_host_batch(out, self.max_blocks_per_req)
         self.buffers.update_block_tables(host)
         plan = plan_prompt_logprobs(out, self.device)
         if plan is None:
