@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (CI must not turn red by chance);
+# HYPOTHESIS_PROFILE=explore draws fresh ones, to hunt for new failures locally.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Keep the built-in default model's weight cache inside the test session.
 os.environ.setdefault("REPLAYLM_CACHE", str(Path(__file__).parent / ".." / ".cache" / "test"))

@@ -293,7 +293,9 @@ def test_filters_never_leave_their_support(
     logits = torch.tensor(values, dtype=torch.float32)
     params = SamplingParams(temperature=temperature, top_k=k, top_p=top_p)
     tokens = _draws(logits, params, 64, seed=data.draw(st.integers(0, 2**63 - 1)))
-    scaled = logits.double() / temperature
+    # The sampler divides in fp32 (per-slot fp32 temperatures): compare in the same precision,
+    # or two logits one denormal apart tie there but not here.
+    scaled = (logits / torch.tensor(temperature, dtype=torch.float32)).double()
     probs = torch.softmax(scaled, dim=-1)
     k_eff = k if 0 < k <= vocab else vocab
     kth = scaled.sort(descending=True).values[k_eff - 1]
