@@ -70,6 +70,8 @@ class BlockManager:
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_ids`` to cover ``num_tokens`` tokens; all or nothing."""
+        if num_tokens <= len(req.block_ids) * self.block_size:
+            return True  # the common decode step: the last block still has room
         need = self.num_blocks_needed(req, num_tokens)
         if need > self.num_free_blocks:
             return False
