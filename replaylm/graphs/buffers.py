@@ -38,6 +38,7 @@ from replaylm.engine.batch import ForwardBatch, HostBatch
 class _Region:
     start: int  # offset in elements of the region's dtype
     size: int
+    int32: bool  # int32 (packed two per int64 element) or int64
 
 
 class StaticBuffers:
@@ -63,11 +64,11 @@ class StaticBuffers:
         for name, size in (("host_ids", t), ("gather", t), ("positions", t),
                            ("slot_mapping", t), ("logits_indices", r), ("sample_slots", r),
                            ("sample_out_pos", r)):
-            regions[name] = _Region(offset, size)
+            regions[name] = _Region(offset, size, int32=False)
             offset += size
         i32_start = 2 * offset
         for name, size in (("cu_seqlens_q", r + 1), ("kv_lens", r), ("req_slots", r)):
-            regions[name] = _Region(i32_start, size)
+            regions[name] = _Region(i32_start, size, int32=True)
             i32_start += size
         total = (i32_start + 1) // 2
         self._regions = regions
@@ -80,7 +81,7 @@ class StaticBuffers:
 
         def dev(name: str) -> torch.Tensor:
             reg = regions[name]
-            base = dev32 if name in ("cu_seqlens_q", "kv_lens", "req_slots") else self._dev
+            base = dev32 if reg.int32 else self._dev
             return base[reg.start: reg.start + reg.size]
 
         self.last_token = self._dev[:s1]
@@ -171,7 +172,7 @@ class StaticBuffers:
 
         def put(name: str, src: np.ndarray, n: int, pad: int) -> None:
             r = reg[name]
-            arr = a32 if name in ("cu_seqlens_q", "kv_lens", "req_slots") else a64
+            arr = a32 if r.int32 else a64
             _fill(name, arr[r.start: r.start + r.size], src, n, pad)
 
         put("host_ids", host.input_ids, num_tokens, 0)
