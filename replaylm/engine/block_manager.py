@@ -87,7 +87,6 @@ class BlockManager:
         self._release(req.block_ids)
         req.block_ids = []
         req.block_hashes = []
-        req.table_len = 0
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Keep only the blocks covering ``num_tokens`` tokens (speculative-decoding rollback)."""
