@@ -106,17 +106,17 @@ class StepSampler:
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
-        if greedy is not None and self.state.all_greedy(slots_cpu) \
-                and not self.procs.active(slots_cpu):
+        all_greedy = self.state.all_greedy(slots_cpu)
+        procs_active = self.procs.active(slots_cpu)
+        if greedy is not None and all_greedy and not procs_active:
             tokens = greedy
         elif num_sampled:
             x = raw
-            if self.procs.active(slots_cpu):
+            if procs_active:
                 x = self.procs.apply(raw, sample_slots, sample_out_pos, self.state.temperature,
                                      slots_cpu)
             tokens = sample(
-                x, sample_slots, sample_out_pos, self.state,
-                all_greedy=self.state.all_greedy(slots_cpu),
+                x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
                 need_filter=self.state.needs_filter(slots_cpu),
             )
             self.procs.record(sample_slots, tokens, slots_cpu)
