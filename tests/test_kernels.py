@@ -171,8 +171,10 @@ def test_split_kv(kernels, hq, hkv, splits):
                                  pad_tokens=2, pad_slots=1, seed=splits)
     cfg = kernels.attn.AttnConfig(block_m=16 * (hq // hkv), block_n=16, num_warps=4,
                                   num_stages=1)
-    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg),
-               q, kc, vc, meta)
+    for _ in range(2):  # the second launch reuses the merge counters the first reset
+        check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg),
+                   q, kc, vc, meta)
+        assert not kernels.attn._split_counters(q.device).any()
 
 
 def test_split_choice_is_host_only(kernels):
@@ -239,6 +241,39 @@ def test_skinny_linear(kernels, m, n, k, bias):
     # The layers' ``linear`` is the measured dispatcher; off CUDA it is plain F.linear.
     assert kernels.fused.linear is kernels.gemv.linear
     torch.testing.assert_close(kernels.gemv.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("m,n,k,residual,bias", [(1, 24, 40, True, False), (3, 37, 64, True, True),
+                                                 (2, 16, 48, False, False)])
+def test_skinny_norm_linear(kernels, m, n, k, residual, bias):
+    """Residual add + RMSNorm folded into the projection: same output and new residual as
+    the separate ops (rounding included), and the residual is the input when there is none."""
+    g = torch.Generator().manual_seed(m * 10 + k)
+    x = torch.randn(m, k, generator=g)
+    res = torch.randn(m, k, generator=g) if residual else None
+    nw, w = torch.randn(k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    gemv = kernels.gemv
+    for cfg in (None, (4, 8, 16, 4)):  # one K chunk, then several (the pre-pass loops)
+        y, new_res = gemv.skinny_norm_linear(x, res, nw, 1e-6, w, b, config=cfg)
+        ref_y, ref_res = gemv.skinny_norm_linear_ref(x, res, nw, 1e-6, w, b)
+        torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+        torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-4)
+        if res is None:
+            assert new_res is x
+    # The layers' op: off CUDA it is the separate fused_add_rmsnorm + F.linear.
+    y, new_res = kernels.fused.norm_linear(x, res, nw, 1e-6, w, b)
+    torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_silu_linear(kernels):
+    g = torch.Generator().manual_seed(8)
+    gate_up, w = torch.randn(3, 2 * 40, generator=g), torch.randn(24, 40, generator=g)
+    ref = kernels.gemv.skinny_silu_linear_ref(gate_up, w)
+    for cfg in (None, (4, 8, 16, 4)):
+        torch.testing.assert_close(kernels.gemv.skinny_silu_linear(gate_up, w, config=cfg), ref,
+                                   rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.fused.silu_linear(gate_up, w), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_silu_and_mul(kernels):

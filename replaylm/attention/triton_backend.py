@@ -34,7 +34,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Run every kernel variant once on tiny inputs so nothing JITs during capture.
 
         The variants are: each decode/verify tile height (by ``max_q_len``), with and without
-        split-KV (plus the combine kernel), the prefill tile, and the KV write.
+        split-KV (which also allocates the merge counters), the prefill tile, and the KV write.
         """
         device = torch.device(device)
         g_pad = attn_kernels.group_pad(num_heads, num_kv_heads)

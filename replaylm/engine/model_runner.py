@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -144,22 +145,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _tune_linears(self) -> float:
-        """Decide the projections' kernels (``kernels.gemv.linear``) for every graph tier with
+        """Decide the projections' kernels (``kernels.gemv.choose``) for every graph tier with
         few enough tokens, before capture, so capture time is capture alone. Decisions are
         cached on disk; returns the seconds spent."""
         if self.model.kernels is None:
             return 0.0
-        from replaylm.kernels.gemv import MAX_M, linear
+        from replaylm.kernels.gemv import MAX_M
 
+        kops = self.model.kernels
         start = time.perf_counter()
         sizes = sorted({t for t in self.decode_tiers + self.token_tiers if t <= MAX_M} | {1})
         layer = self.model.layers[0]
-        projections = [(layer.qkv_proj.weight, layer.qkv_proj.bias), (layer.o_proj.weight, None),
-                       (layer.gate_up_proj.weight, None), (layer.down_proj.weight, None)]
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
         for m in sizes:
-            for weight, bias in projections:
-                linear(torch.zeros(m, weight.shape[1], dtype=self.dtype, device=self.device),
-                       weight, bias)
+            zeros = functools.partial(torch.zeros, m, dtype=self.dtype, device=self.device)
+            # The calls of one decoder layer (``DecoderLayer.before`` / ``after``).
+            for residual in (None, zeros(cfg.hidden_size)):  # layer 0 has no residual yet
+                kops.norm_linear(zeros(cfg.hidden_size), residual, layer.input_layernorm.weight,
+                                 eps, layer.qkv_proj.weight, layer.qkv_proj.bias)
+            kops.linear(zeros(cfg.q_size), layer.o_proj.weight)
+            kops.norm_linear(zeros(cfg.hidden_size), zeros(cfg.hidden_size),
+                             layer.post_attention_layernorm.weight, eps,
+                             layer.gate_up_proj.weight)
+            kops.silu_linear(zeros(2 * cfg.intermediate_size), layer.down_proj.weight)
         seconds = time.perf_counter() - start
         log.info("projection kernels chosen for %d row counts in %.2f s (cached on disk)",
                  len(sizes), seconds)

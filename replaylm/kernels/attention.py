@@ -20,9 +20,14 @@ slot count ``S`` and head counts):
   rows of padded tokens ``cu_seqlens_q[S] .. T``, so padded rows are deterministic (a graph
   check comparing replay against eager sees identical buffers) and never NaN.
 * Split-KV (flash-decoding): a third grid axis of fixed size ``num_splits`` cuts each
-  request's context into equal BLOCK_N-aligned ranges; programs write un-normalised partial
-  outputs plus their running max / sum, and :func:`_combine_kernel` merges them. The split
-  count comes from host-known sizes only, so a graph tier always picks the same path.
+  request's context into equal BLOCK_N-aligned ranges; splits past the context exit at once.
+  When one split covers the whole context it writes the output directly. Otherwise each
+  writes an un-normalised partial output plus its running max / sum, then counts itself in
+  with an atomic; the last of the tile's splits to arrive merges them (``_merge_splits``)
+  and resets the counter. So split-KV is one launch, with no combine kernel (and no extra
+  graph node) per layer. The split count comes from host-known sizes only, so a graph tier
+  always picks the same path; the merge order is fixed, so results do not depend on which
+  split arrives last.
 """
 
 from __future__ import annotations
@@ -35,9 +40,14 @@ import triton
 import triton.language as tl
 
 from replaylm.attention.backend import BLOCK_SIZE
+from replaylm.kernels import pdl
+from replaylm.kernels.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 32  # upper bound on the split-KV axis; the combine kernel is compiled for it
+MAX_SPLITS = 32  # upper bound on the split-KV axis
+#: Merge counters per device: split-KV runs only while requests x KV heads < SM count and
+#: queries are <= 16 per request, so tiles x KV heads stays far below this.
+MAX_SPLIT_TILES = 8192
 _SEARCH_CHUNK = 128  # request slots examined per step of the on-device tile lookup
 
 
@@ -99,19 +109,20 @@ def _attn_step(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
     cu_q_ptr, kv_lens_ptr, block_table_ptr,
     sm_scale_log2, num_tokens, num_reqs, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BQ * G_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_previous(USE_PDL)
 
     req = _lookup_request(cu_q_ptr, tile, num_reqs, BQ, CHUNK)
     rows = tl.arange(0, BLOCK_M)
@@ -120,9 +131,8 @@ def _paged_attn_kernel(
     head_ok = (rows % G_PAD) < GROUP
 
     if req >= num_reqs:
-        # Padding sink: zero the rows of tokens that belong to no request. In split mode the
-        # combine kernel does this instead.
-        if not IS_SPLIT:
+        # Padding sink: zero the rows of tokens that belong to no request (split 0 only).
+        if split == 0:
             total = tl.load(cu_q_ptr + num_reqs)
             tok = (total // BQ + (tile - (total // BQ + num_reqs))) * BQ + rows // G_PAD
             ok = (tok >= total) & (tok < num_tokens) & head_ok
@@ -149,9 +159,12 @@ def _paged_attn_kernel(
     min_pos = ctx_start + j * BQ
     hi = tl.minimum(min_pos + BQ, kv_len)  # keys the tile's last row can see
     lo = 0
+    tile_hi = hi
     if IS_SPLIT:
         per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * per
+        if lo >= tile_hi:  # no keys for this split: it takes no part in the merge either
+            return
         hi = tl.minimum(hi, lo + per)
     # Keys below min_pos + 1 are visible to every row of the tile: no mask needed there.
     full_hi = lo + tl.maximum(tl.minimum(hi, min_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
@@ -173,45 +186,55 @@ def _paged_attn_kernel(
                                    stride_kb, stride_ks, stride_vb, stride_vs, sm_scale_log2,
                                    BLOCK_N, PAGE, True)
 
+    finish = kv_len >= 0  # a program writes the final rows unless a split defers it
     if IS_SPLIT:
-        # Partials are [T, Hq, num_splits, D] (un-normalised) and [T, Hq, num_splits, 2] (m, l).
-        part_row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits + split
-        po_ptrs = part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(po_ptrs, acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
-    else:
+        active = tl.cdiv(tile_hi, per)  # splits of this tile that have keys (lo < hi)
+        if active > 1:
+            # Partials are [T, Hq, num_splits, D] (un-normalised) and [T, Hq, num_splits, 2]
+            # (m, l). The last split of the tile to finish merges them: no second launch.
+            part_row = (tok * (tl.num_programs(1) * GROUP) + head) * num_splits
+            po_ptrs = part_o_ptr + (part_row + split)[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(po_ptrs, acc, mask=row_ok[:, None])
+            tl.store(part_ml_ptr + (part_row + split) * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + (part_row + split) * 2 + 1, l_i, mask=row_ok)
+            tl.debug_barrier()  # every thread's partials are written before the release
+            count_ptr = counter_ptr + tile * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            finish = arrived == active - 1
+            if finish:
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for reuse
+                acc, l_i = _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok,
+                                         offs_d, BLOCK_M, HEAD_DIM)
+    if finish:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
-def _combine_kernel(
-    out_ptr, part_o_ptr, part_ml_ptr, cu_q_ptr, num_reqs, num_splits,
-    stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_S: tl.constexpr,
-):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-    total = tl.load(cu_q_ptr + num_reqs)
-    if tok >= total:
-        tl.store(o_ptrs, tl.zeros([HEAD_DIM], dtype=out_ptr.dtype.element_ty))
-        return
-    sp = tl.arange(0, MAX_S)
-    sp_ok = sp < num_splits
-    row = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits + sp
-    m = tl.load(part_ml_ptr + row * 2, mask=sp_ok, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
+@triton.jit
+def _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok, offs_d,
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Sum the ``active`` split partials of a tile's rows, rescaled to a common max; returns
+    the un-normalised output and its softmax denominator. Loads bypass L1 (``.cg``): other
+    SMs wrote them."""
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for sp in range(0, active):
+        m = tl.load(part_ml_ptr + (part_row + sp) * 2, mask=row_ok, other=float("-inf"),
+                    cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m)
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_use)
-    denom = tl.sum(w * l_s, axis=0)
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=sp_ok[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for sp in range(0, active):
+        row = part_row + sp
+        m = tl.load(part_ml_ptr + row * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m - m_use)
+        acc += o * w[:, None]
+        l_sum += l_s * w
+    return acc, l_sum
 
 
 @dataclass(frozen=True)
@@ -248,6 +271,14 @@ def pick_config(max_q_len: int, g_pad: int, head_dim: int) -> AttnConfig:
         return AttnConfig(block_m=small_m, block_n=128 if head_dim <= 128 else 64, num_warps=4,
                           num_stages=2)
     return AttnConfig(block_m=max(64, g_pad), block_n=64, num_warps=4, num_stages=2)
+
+
+@cache
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Per-(tile, KV head) arrival counters of the split-KV merge, zero between launches (the
+    merging program resets its own). One buffer per device, allocated at warmup: attention
+    launches of one device run on one stream, so they never share it concurrently."""
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 @cache
@@ -318,21 +349,19 @@ def paged_attention(
     else:
         part_o = part_ml = out  # unused
     grid = (num_tokens // bq + num_reqs + 1, num_kv_heads, num_splits)
+    counters = _split_counters(q.device)
+    if is_split and grid[0] * grid[1] > counters.numel():
+        raise ValueError(f"split-KV attention over {grid[0]} tiles x {grid[1]} KV heads exceeds "
+                         f"the {counters.numel()} merge counters")
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_ml,
+        q, k_cache, v_cache, out, part_o, part_ml, counters,
         cu_seqlens_q, kv_lens, block_table,
         scale * LOG2E, num_tokens, num_reqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BQ=bq, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, CHUNK=_SEARCH_CHUNK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, CHUNK=_SEARCH_CHUNK, USE_PDL=pdl.ENABLED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH,
     )
-    if is_split and num_tokens > 0:
-        _combine_kernel[(num_tokens, num_heads)](
-            out, part_o, part_ml, cu_seqlens_q, num_reqs, num_splits,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, MAX_S=MAX_SPLITS, num_warps=4,
-        )
     return out

@@ -12,6 +12,9 @@ than merely "within tolerance".
   post-projection part of the "before" segment).
 * ``linear`` — the projections (``replaylm.kernels.gemv``: at a few rows, the faster of
   cuBLAS and a weight-streaming kernel, measured per shape; cuBLAS above ``MAX_M`` rows).
+* :func:`norm_linear` / :func:`silu_linear` — ``fused_add_rmsnorm`` or ``silu_and_mul``
+  followed by ``linear``; at a few rows, when measured faster, one skinny-kernel launch
+  that computes its own input rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import triton
 import triton.language as tl
 
 from replaylm.attention.backend import BLOCK_SIZE
+from replaylm.kernels import gemv, pdl
 from replaylm.kernels.gemv import linear  # noqa: F401  (the layers' projections)
+from replaylm.kernels.pdl import wait_for_previous
 
 # --------------------------------------------------------------------------- references
 
@@ -93,7 +98,9 @@ def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, num_tokens, eps,
     stride_x, stride_r, stride_o, stride_nr,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -129,15 +136,16 @@ def fused_add_rmsnorm(
     _add_rmsnorm_kernel[(num_tokens,)](
         x, res, weight, normed, new_res, num_tokens, eps,
         x.stride(0), res.stride(0), normed.stride(0), new_res.stride(0),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 512)),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, USE_PDL=pdl.ENABLED,
+        num_warps=min(16, max(1, block // 512)), **pdl.LAUNCH,
     )
     return normed, new_res
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _silu_mul_kernel(gu_ptr, out_ptr, num_tokens, stride_gu, stride_o,
-                     INTER: tl.constexpr, BLOCK: tl.constexpr):
+                     INTER: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -160,7 +168,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
         gate_up, out, num_tokens, gate_up.stride(0), out.stride(0),
-        INTER=inter, BLOCK=block, num_warps=4,
+        INTER=inter, BLOCK=block, USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
     )
     return out
 
@@ -203,7 +211,9 @@ def _rotary_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -283,7 +293,49 @@ def rotary(
         *kc_strides, *vc_strides,
         HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads), HKV=num_kv_heads,
         HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
-        HAS_NORM=has_norm, WRITE_KV=write_kv, PAGE=BLOCK_SIZE,
-        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+        HAS_NORM=has_norm, WRITE_KV=write_kv, PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED,
+        num_warps=4 if num_heads * head_dim >= 2048 else 2, **pdl.LAUNCH,
     )
     return q_out, k_out
+
+
+# --------------------------------------------------------------------------- op + projection
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rmsnorm`` then ``linear``; returns ``(projection, new_residual)``. At a
+    few rows one kernel does both when the measured choice says so."""
+
+    def unfused():
+        normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
+        return linear(normed, weight, bias), new_res
+
+    m = x.shape[0]
+    if 0 < m <= gemv.MAX_M and x.is_cuda:
+        key = ("norm" if residual is not None else "norm0", m, weight.shape[0], weight.shape[1],
+               x.dtype, bias is not None)
+        config = gemv.choose(key, x.device, unfused, lambda cfg: gemv.skinny_norm_linear(
+            x, residual, norm_weight, eps, weight, bias, config=cfg))
+        if config is not None:
+            return gemv.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                           config=config)
+    return unfused()
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
+
+    def unfused():
+        return linear(silu_and_mul(gate_up), weight)
+
+    m = gate_up.shape[0]
+    if 0 < m <= gemv.MAX_M and gate_up.is_cuda:
+        key = ("silu", m, weight.shape[0], weight.shape[1], gate_up.dtype, False)
+        config = gemv.choose(key, gate_up.device, unfused,
+                             lambda cfg: gemv.skinny_silu_linear(gate_up, weight, config=cfg))
+        if config is not None:
+            return gemv.skinny_silu_linear(gate_up, weight, config=config)
+    return unfused()

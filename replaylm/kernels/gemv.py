@@ -11,11 +11,17 @@ their eager re-runs agree exactly).
 ``skinny_linear`` runs it for ``M <= MAX_M`` and falls back to ``torch.nn.functional.linear``
 otherwise; ``skinny_linear_ref`` is the fp32-accumulating torch reference.
 
+The kernel can also compute its input rows itself, which removes a launch (and its gap in
+the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
+of a projection (every program recomputes the row norms from the few input rows; program 0
+stores the new residual), ``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
+
 Neither wins everywhere (measured on the H200, launch overhead excluded: on Qwen3-0.6B's
 o_proj, 1024x2048, cuBLAS takes 12.4 µs and this kernel 3.9 µs; on Llama-3.2-1B's gate_up,
 16384x2048, cuBLAS 18.2 µs and this kernel 25 µs). So ``linear``, what the model's layers
 call, times both once per shape on the device, each replayed from a CUDA graph, and keeps the
-fastest of cuBLAS and a few tile candidates; ``LINEAR_CHOICES`` records every decision.
+fastest of cuBLAS and a few tile candidates; ``LINEAR_CHOICES`` records every decision. The
+fused prologues are decided the same way (``choose``), against the separate op + ``linear``.
 """
 
 from __future__ import annotations
@@ -30,11 +36,19 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.kernels import pdl
+from replaylm.kernels.pdl import wait_for_previous
+
 log = logging.getLogger(__name__)
 
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
+#: What the kernel computes on its input rows before the product (``_skinny_kernel``).
+PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
 
-#: (m, n, k, dtype, has_bias) -> (kernel config, or None for cuBLAS; its µs; cuBLAS µs).
+#: (prologue, m, n, k, dtype, has_bias) -> (kernel config, or None for the unfused path; its
+#: µs; the unfused path's µs). Prologue "plain" is a bare projection (unfused = cuBLAS);
+#: "norm" and "silu" fold the residual add + RMSNorm or SiLU·mul into the projection's input
+#: (unfused = that op's own kernel, then ``linear``).
 LINEAR_CHOICES: dict[tuple, tuple[tuple[int, int, int, int] | None, float, float]] = {}
 
 
@@ -47,33 +61,89 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
-                   K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+def _weight_chunk(w_ptrs, k0, n_mask, cols, K: tl.constexpr, EVEN_N: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    if EVEN_N and EVEN_K:
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    return tl.load(w_ptrs + k0, mask=n_mask[:, None] & ((k0 + cols) < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _input_chunk(x_ptrs, r_ptrs, nw_ptr, k0, rstd, mask, cols,
+                 K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_K]`` chunk of the projection's input, in fp32, rounded to the
+    model dtype wherever the unfused ops round (so fused and unfused agree)."""
+    x = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+    dt = x.dtype
+    if PROLOGUE == 1:  # residual add + RMSNorm; ``rstd`` comes from the pre-pass
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptrs + k0, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+        w = tl.load(nw_ptr + k0 + cols, mask=(k0 + cols) < K, other=0.0).to(tl.float32)
+        return (normed * w[None, :]).to(dt).to(tl.float32)
+    if PROLOGUE == 2:  # SiLU(gate) * up: ``x`` rows are gate | up, each K wide
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        u = tl.load(x_ptrs + K + k0, mask=mask, other=0.0).to(tl.float32)
+        return (act * u).to(dt).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, eps,
+                   stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
+                   K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    # The first weight chunk does not depend on the previous kernel: with PDL its load is in
+    # flight while that kernel finishes.
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
+    w_first = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    wait_for_previous(USE_PDL)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        # Pre-pass over the (tiny, L2-resident) input rows: the sum of squares of
+        # ``x + residual``. Program 0 also stores that sum, the next layer's residual.
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
+            s = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptrs + k0, mask=mask, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+                if pid == 0:
+                    tl.store(res_out_ptr + offs_m[:, None] * stride_om + (k0 + cols)[None, :],
+                             s, mask=mask)
+            s32 = s.to(tl.float32)
+            sq += tl.sum(s32 * s32, axis=1)
+        rstd = tl.rsqrt(sq / K + eps)
     # Products accumulate elementwise; the one cross-thread reduction comes after the loop,
     # so the loop body is loads and FMAs only.
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    for k0 in range(0, K, BLOCK_K):  # K is a compile-time constant: a model has a few
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-        else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
+    if EVEN_K:
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & (cols < K)[None, :]
+    x = _input_chunk(x_ptrs, r_ptrs, nw_ptr, 0, rstd, mask, cols, K, PROLOGUE, HAS_RESIDUAL)
+    acc = w_first.to(tl.float32)[None, :, :] * x[:, None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # K is a compile-time constant: a model has a few
+        w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
         if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            mask = m_mask[:, None]
         else:
-            k_ok = (k0 + tl.arange(0, BLOCK_K)) < K
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
+        x = _input_chunk(x_ptrs, r_ptrs, nw_ptr, k0, rstd, mask, cols, K, PROLOGUE, HAS_RESIDUAL)
+        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
     out = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -103,25 +173,80 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
 
 
+def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
+    returns ``(y, new_residual)`` (the latter only for mode 1 with a residual)."""
+    m = x.shape[0]
+    k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1, "weight rows must be contiguous"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    new_res = None
+    if residual is not None:
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+        new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps = config or pick_config(m, n, k)
+    r = residual if residual is not None else x
+    o = new_res if new_res is not None else x
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x, r, norm_weight if norm_weight is not None else weight, o, weight,
+        bias if bias is not None else weight, y, m, n, eps,
+        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0), K=k,
+        PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
+        USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH,
+    )
+    return y, new_res
+
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_M or m == 0:
+    if x.shape[0] > MAX_M or x.shape[0] == 0:
         return torch.nn.functional.linear(x, weight, bias)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    assert weight.stride(1) == 1, "weight rows must be contiguous"
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps = config or pick_config(m, n, k)
-    _skinny_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n,
-        x.stride(0), weight.stride(0), y.stride(0), K=k,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, num_warps=warps,
-    )
-    return y
+    return _launch(PROLOGUE_PLAIN, x, weight, bias, config)[0]
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: tuple[int, int, int, int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (``x`` when None), then
+    ``rmsnorm(new_residual) * norm_weight @ weight.T + bias``, in one kernel (``M <= MAX_M``);
+    returns ``(y, new_residual)``. Every program recomputes the row norms from the (tiny)
+    input rows; program 0 writes the new residual."""
+    assert 0 < x.shape[0] <= MAX_M
+    y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps)
+    return y, (x if new_res is None else new_res)
+
+
+def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for ``gate_up`` ``[M, 2K]`` (gate first), in one
+    kernel (``M <= MAX_M``)."""
+    assert 0 < gate_up.shape[0] <= MAX_M
+    return _launch(PROLOGUE_SILU, gate_up, weight, None, config)[0]
+
+
+def skinny_norm_linear_ref(x, residual, norm_weight, eps, weight, bias=None):
+    """Torch reference of :func:`skinny_norm_linear` (fp32 accumulation)."""
+    new_res = x if residual is None else x + residual
+    r32 = new_res.float()
+    normed = (r32 * torch.rsqrt(r32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return skinny_linear_ref(norm_weight * normed, weight, bias), new_res
+
+
+def skinny_silu_linear_ref(gate_up, weight):
+    """Torch reference of :func:`skinny_silu_linear` (fp32 accumulation)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return skinny_linear_ref(torch.nn.functional.silu(gate) * up, weight)
 
 
 def graph_time_us(fn: Callable[[], object], reps: int = 20, trials: int = 3) -> float:
@@ -157,20 +282,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     if m > MAX_M or m == 0 or not x.is_cuda:
         return torch.nn.functional.linear(x, weight, bias)
-    key = (m, weight.shape[0], weight.shape[1], x.dtype, bias is not None)
-    choice = LINEAR_CHOICES.get(key)
-    if choice is None:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.nn.functional.linear(x, weight, bias)  # undecided: the safe default
-        choice = _TUNING_CACHE.lookup(key, x.device)
-        if choice is None:
-            choice = _tune(x, weight, bias)
-            _TUNING_CACHE.store(key, x.device, choice)
-        LINEAR_CHOICES[key] = choice
-    config = choice[0]
+    config = choose(
+        ("plain", m, weight.shape[0], weight.shape[1], x.dtype, bias is not None),
+        x.device,
+        unfused=lambda: torch.nn.functional.linear(x, weight, bias),
+        fused=lambda cfg: skinny_linear(x, weight, bias, config=cfg),
+    )
     if config is not None:
         return skinny_linear(x, weight, bias, config=config)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def choose(key: tuple, device: torch.device, unfused: Callable[[], object],
+           fused: Callable[[tuple[int, int, int, int]], object]):
+    """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)``, or
+    None when ``unfused`` (cuBLAS, or the separate prologue op plus ``linear``) is faster.
+
+    Decided on first use outside graph capture by timing ``unfused()`` and ``fused(config)``
+    for every candidate config, each replayed from a CUDA graph; then kept in memory
+    (``LINEAR_CHOICES``) and on disk. An undecided shape during capture takes ``unfused``.
+    """
+    choice = LINEAR_CHOICES.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        choice = _TUNING_CACHE.lookup(key, device)
+        if choice is None:
+            choice = _tune(key, unfused, fused)
+            _TUNING_CACHE.store(key, device, choice)
+        LINEAR_CHOICES[key] = choice
+    return choice[0]
 
 
 class _TuningCache:
@@ -188,9 +329,10 @@ class _TuningCache:
 
     @staticmethod
     def _key(key: tuple, device: torch.device) -> str:
-        m, n, k, dtype, bias = key
+        kind, m, n, k, dtype, bias = key
         gpu = torch.cuda.get_device_name(device)
-        return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{m}x{n}x{k}|{dtype}|{bias}"
+        return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{kind}|"
+                f"{m}x{n}x{k}|{dtype}|{bias}")
 
     def _load(self) -> dict[str, list]:
         if self.entries is None:
@@ -223,18 +365,18 @@ class _TuningCache:
 _TUNING_CACHE = _TuningCache()
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """(best config or None for cuBLAS, its µs, cuBLAS µs)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    cublas = graph_time_us(lambda: torch.nn.functional.linear(x, weight, bias))
+def _tune(key: tuple, unfused: Callable[[], object],
+          fused: Callable[[tuple[int, int, int, int]], object]):
+    """(best config or None for the unfused path, its µs, the unfused path's µs)."""
+    kind, m, n, k = key[:4]
+    baseline = graph_time_us(unfused)
     bm = triton.next_power_of_2(m)
-    best, best_us = None, cublas
+    best, best_us = None, baseline
     for bn, bk, warps in CANDIDATES[bm]:
         cfg = (bm, bn, min(bk, triton.next_power_of_2(k)), warps)
-        us = graph_time_us(lambda cfg=cfg: skinny_linear(x, weight, bias, config=cfg))
+        us = graph_time_us(lambda cfg=cfg: fused(cfg))
         if us < best_us:
             best, best_us = cfg, us
-    log.info("linear %dx%dx%d: cublas %.2f us, best %s %.2f us", m, n, k, cublas,
-             "cublas" if best is None else f"triton {best}", best_us)
-    return best, round(best_us, 2), round(cublas, 2)
+    log.info("%s linear %dx%dx%d: unfused %.2f us, best %s %.2f us", kind, m, n, k, baseline,
+             "unfused" if best is None else f"triton {best}", best_us)
+    return best, round(best_us, 2), round(baseline, 2)

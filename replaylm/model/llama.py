@@ -14,7 +14,6 @@ dense link; a full graph captures the whole of ``forward``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from replaylm.attention.backend import AttentionBackend, AttentionMetadata
@@ -55,13 +54,15 @@ class DecoderLayer(nn.Module):
         slot_mapping: torch.Tensor,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``."""
+        """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``.
+
+        ``self.kernels`` (CUDA) or ``ops`` (torch) supply the ops, with the same signatures."""
         cfg = self.cfg
         kops = self.kernels
-        add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
-        x, residual = add_norm(hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
-        linear = kops.linear if kops else F.linear
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv, residual = (kops or ops).norm_linear(
+            hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps,
+            self.qkv_proj.weight, self.qkv_proj.bias,
+        )
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -86,14 +87,11 @@ class DecoderLayer(nn.Module):
 
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
-        kops = self.kernels
-        linear = kops.linear if kops else F.linear
-        hidden = linear(attn_out.flatten(1), self.o_proj.weight)
-        add_norm = kops.fused_add_rmsnorm if kops else ops.add_rms_norm
-        x, residual = add_norm(hidden, residual, self.post_attention_layernorm.weight,
-                               self.cfg.rms_norm_eps)
-        act = kops.silu_and_mul if kops else ops.silu_and_mul
-        return linear(act(linear(x, self.gate_up_proj.weight)), self.down_proj.weight), residual
+        k = self.kernels or ops
+        hidden = k.linear(attn_out.flatten(1), self.o_proj.weight)
+        gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
+                                          self.cfg.rms_norm_eps, self.gate_up_proj.weight)
+        return k.silu_linear(gate_up, self.down_proj.weight), residual
 
 
 class CausalLM(nn.Module):

@@ -38,3 +38,20 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+linear = F.linear
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``."""
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), residual
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul, then a projection (down_proj)."""
+    return F.linear(silu_and_mul(gate_up), weight)
