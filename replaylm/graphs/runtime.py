@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from replaylm.engine.batch import ForwardBatch, HostBatch, to_device
+from replaylm.graphs.capture import gc_paused
 from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.stand_in import StandInGraph
 from replaylm.graphs.tiers import round_up
@@ -98,7 +99,7 @@ class _Graph:
         for _ in range(2):  # warm-up: JIT, autotune and library handles before capture
             fn()
         torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with gc_paused(), torch.cuda.graph(self.graph, pool=self.pool):
             self.outputs = list(fn())
         if hasattr(self.graph, "instantiate"):
             self.graph.instantiate()  # a kept graph is instantiated on demand: do it now

@@ -209,12 +209,14 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HQ: tl.constexpr, HQ_PAD: tl.constexpr, HKV: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HQ: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+    PAGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # One program per (token, head): heads 0..HQ-1 are q, the rest k (each with its v).
+    # Decode steps have one or a few tokens, so a program per head keeps latency low.
     wait_for_previous(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, HALF)
     cs_row = cs_ptr + pos * stride_cs
@@ -222,25 +224,29 @@ def _rotary_kernel(
     sin = tl.load(cs_row + HALF + d)
     cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
     sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
-    _norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, cos, sin, tok, stride_qt, stride_qh, stride_qot,
-                     stride_qoh, eps, HQ, HQ_PAD, HALF, HAS_NORM)
-    k1, k2 = _norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, cos, sin, tok, stride_kt, stride_kh,
-                              stride_kot, stride_koh, eps, HKV, HKV_PAD, HALF, HAS_NORM)
-    if WRITE_KV:
-        slot = tl.load(slot_ptr + tok).to(tl.int64)
-        if slot >= 0:
-            h = tl.arange(0, HKV_PAD)
-            mask = (h < HKV)[:, None]
-            blk = slot // PAGE
-            off = slot % PAGE
-            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
-            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            vsrc = v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :]
-            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-            tl.store(vc, tl.load(vsrc, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc + HALF, tl.load(vsrc + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty),
-                     mask=mask)
+    if head < HQ:
+        _norm_rope_heads(q_ptr + head * stride_qh, q_out_ptr + head * stride_qoh, qw_ptr, cos,
+                         sin, tok, stride_qt, stride_qh, stride_qot, stride_qoh, eps, 1, 1, HALF,
+                         HAS_NORM)
+    else:
+        kvh = head - HQ
+        k1, k2 = _norm_rope_heads(k_ptr + kvh * stride_kh, k_out_ptr + kvh * stride_koh, kw_ptr,
+                                  cos, sin, tok, stride_kt, stride_kh, stride_kot, stride_koh,
+                                  eps, 1, 1, HALF, HAS_NORM)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                blk = slot // PAGE
+                off = slot % PAGE
+                kc = (k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch
+                      + d[None, :])
+                tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty))
+                vsrc = v_ptr + tok * stride_vt + kvh * stride_vh + d[None, :]
+                vc = (v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch
+                      + d[None, :])
+                tl.store(vc, tl.load(vsrc).to(v_cache_ptr.dtype.element_ty))
+                tl.store(vc + HALF, tl.load(vsrc + HALF).to(v_cache_ptr.dtype.element_ty))
 
 
 def rotary(
@@ -286,15 +292,13 @@ def rotary(
     kw = k_norm_weight if has_norm else cos_sin
     kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if write_kv else (0, 0, 0)
     vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if write_kv else (0, 0, 0)
-    _rotary_kernel[(num_tokens,)](
+    _rotary_kernel[(num_tokens, num_heads + num_kv_heads)](
         q, k, vv, positions, cos_sin, qw, kw, q_out, k_out, kc, vc, sm, num_tokens, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         *kc_strides, *vc_strides,
-        HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads), HKV=num_kv_heads,
-        HKV_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
-        HAS_NORM=has_norm, WRITE_KV=write_kv, PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED,
-        num_warps=4 if num_heads * head_dim >= 2048 else 2, **pdl.LAUNCH,
+        HQ=num_heads, HALF=head_dim // 2, HAS_NORM=has_norm, WRITE_KV=write_kv,
+        PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED, num_warps=1, **pdl.LAUNCH,
     )
     return q_out, k_out
 

@@ -13,8 +13,9 @@ otherwise; ``skinny_linear_ref`` is the fp32-accumulating torch reference.
 
 The kernel can also compute its input rows itself, which removes a launch (and its gap in
 the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
-of a projection (every program recomputes the row norms from the few input rows; program 0
-stores the new residual), ``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
+of a projection (each program sums the squares of the few input rows as it streams them and
+scales its outputs by 1/rms at the end; program 0 stores the new residual),
+``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
 
 Neither wins everywhere (measured on the H200, launch overhead excluded: on Qwen3-0.6B's
 o_proj, 1024x2048, cuBLAS takes 12.4 µs and this kernel 3.9 µs; on Llama-3.2-1B's gate_up,
@@ -36,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.graphs.capture import gc_paused
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
 
@@ -70,25 +72,31 @@ def _weight_chunk(w_ptrs, k0, n_mask, cols, K: tl.constexpr, EVEN_N: tl.constexp
 
 
 @triton.jit
-def _input_chunk(x_ptrs, r_ptrs, nw_ptr, k0, rstd, mask, cols,
-                 K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_K]`` chunk of the projection's input, in fp32, rounded to the
-    model dtype wherever the unfused ops round (so fused and unfused agree)."""
+def _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
+                 K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_K]`` chunk of the projection's input in fp32, and (RMSNorm
+    prologue) its rows' sum of squares."""
     x = tl.load(x_ptrs + k0, mask=mask, other=0.0)
     dt = x.dtype
-    if PROLOGUE == 1:  # residual add + RMSNorm; ``rstd`` comes from the pre-pass
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:  # residual add + RMSNorm; the 1/rms scale is applied after the sum
         if HAS_RESIDUAL:
             r = tl.load(r_ptrs + k0, mask=mask, other=0.0)
+            # Rounded to the model dtype: that is the residual the next layer reads.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+            if store_residual:
+                tl.store(out_ptrs + k0, x, mask=mask)
+        s = x.to(tl.float32)
+        sq = tl.sum(s * s, axis=1)
         w = tl.load(nw_ptr + k0 + cols, mask=(k0 + cols) < K, other=0.0).to(tl.float32)
-        return (normed * w[None, :]).to(dt).to(tl.float32)
+        return s * w[None, :], sq
     if PROLOGUE == 2:  # SiLU(gate) * up: ``x`` rows are gate | up, each K wide
         g = x.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         u = tl.load(x_ptrs + K + k0, mask=mask, other=0.0).to(tl.float32)
-        return (act * u).to(dt).to(tl.float32)
-    return x.to(tl.float32)
+        return (act * u).to(dt).to(tl.float32), sq
+    return x.to(tl.float32), sq
 
 
 @triton.jit
@@ -111,40 +119,33 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
     wait_for_previous(USE_PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PROLOGUE == 1:
-        # Pre-pass over the (tiny, L2-resident) input rows: the sum of squares of
-        # ``x + residual``. Program 0 also stores that sum, the next layer's residual.
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
-            s = tl.load(x_ptrs + k0, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptrs + k0, mask=mask, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-                if pid == 0:
-                    tl.store(res_out_ptr + offs_m[:, None] * stride_om + (k0 + cols)[None, :],
-                             s, mask=mask)
-            s32 = s.to(tl.float32)
-            sq += tl.sum(s32 * s32, axis=1)
-        rstd = tl.rsqrt(sq / K + eps)
-    # Products accumulate elementwise; the one cross-thread reduction comes after the loop,
-    # so the loop body is loads and FMAs only.
+    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
+    store_residual = pid == 0  # one program writes the new residual
     if EVEN_K:
         mask = m_mask[:, None]
     else:
         mask = m_mask[:, None] & (cols < K)[None, :]
-    x = _input_chunk(x_ptrs, r_ptrs, nw_ptr, 0, rstd, mask, cols, K, PROLOGUE, HAS_RESIDUAL)
+    x, sq = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, 0, mask, cols, store_residual,
+                         K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
+    # Products accumulate elementwise; the one cross-thread reduction comes after the loop,
+    # so the loop body is loads and FMAs only. The loop is unrolled (K is a compile-time
+    # constant; a model has a few), so the chunks' weight loads are all in flight at once.
     acc = w_first.to(tl.float32)[None, :, :] * x[:, None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # K is a compile-time constant: a model has a few
+    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
         w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
         if EVEN_K:
             mask = m_mask[:, None]
         else:
             mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
-        x = _input_chunk(x_ptrs, r_ptrs, nw_ptr, k0, rstd, mask, cols, K, PROLOGUE, HAS_RESIDUAL)
+        x, sq_k = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
+                               K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
+        sq += sq_k
         acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
     out = tl.sum(acc, axis=2)  # [BM, BN]
+    if PROLOGUE == 1:
+        # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
+        # scale leaves the sum, so one pass serves both the norm and the product.
+        out = out * tl.rsqrt(sq / K + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -220,8 +221,10 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual`` (``x`` when None), then
     ``rmsnorm(new_residual) * norm_weight @ weight.T + bias``, in one kernel (``M <= MAX_M``);
-    returns ``(y, new_residual)``. Every program recomputes the row norms from the (tiny)
-    input rows; program 0 writes the new residual."""
+    returns ``(y, new_residual)``. Each program reads the (tiny) input rows whole anyway, so
+    it accumulates their sum of squares in the same pass and scales its sums by ``1/rms`` at
+    the end (the normalised input is not rounded to the model dtype first, unlike the
+    separate ops: results agree within that rounding). Program 0 writes the new residual."""
     assert 0 < x.shape[0] <= MAX_M
     y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps)
     return y, (x if new_res is None else new_res)
@@ -255,7 +258,7 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20, trials: int = 3) -> 
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with gc_paused(), torch.cuda.graph(g):
         for _ in range(reps):
             fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -315,8 +318,8 @@ def choose(key: tuple, device: torch.device, unfused: Callable[[], object],
 
 
 class _TuningCache:
-    """Decisions of ``linear`` on disk (``$REPLAYLM_CACHE/linear_tuning.json``), per GPU
-    model and torch/triton versions, so a restart skips the timing runs."""
+    """Decisions of ``choose`` on disk (``$REPLAYLM_CACHE/linear_tuning.json``), per GPU
+    model, torch/triton versions and PDL setting, so a restart skips the timing runs."""
 
     def __init__(self) -> None:
         self.entries: dict[str, list] | None = None
@@ -331,8 +334,8 @@ class _TuningCache:
     def _key(key: tuple, device: torch.device) -> str:
         kind, m, n, k, dtype, bias = key
         gpu = torch.cuda.get_device_name(device)
-        return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|{kind}|"
-                f"{m}x{n}x{k}|{dtype}|{bias}")
+        return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|pdl {pdl.ENABLED}|"
+                f"{kind}|{m}x{n}x{k}|{dtype}|{bias}")
 
     def _load(self) -> dict[str, list]:
         if self.entries is None:
