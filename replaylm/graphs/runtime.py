@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from replaylm.engine.batch import ForwardBatch, HostBatch, to_device
-from replaylm.graphs.capture import gc_paused
 from replaylm.graphs.buffers import StaticBuffers
+from replaylm.graphs.capture import gc_paused
 from replaylm.graphs.stand_in import StandInGraph
 from replaylm.graphs.tiers import round_up
 from replaylm.model.llama import CausalLM
