@@ -154,3 +154,27 @@ def test_poisoned_padding_catches_a_planted_leak(qwen3_dir, monkeypatch):
         llm.generate([[5, 6, 7]], sp, use_tqdm=False)
     monkeypatch.undo()
     assert llm.engine.block_manager.num_used_blocks == 0  # the failed request was cleaned up
+
+
+def test_capture_pauses_the_garbage_collector():
+    """A cyclic collection inside a CUDA graph capture can destroy an unreachable graph,
+    which invalidates the capture: the collector is off inside and restored after, also
+    after an error."""
+    import gc
+
+    from replaylm.graphs.capture import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.enable()

@@ -231,8 +231,8 @@ def test_skinny_linear_gpu(m, n, k):
     assert torch.equal(chosen, linear(x, w, b))
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n,k", [(4096, 1024), (16384, 2048), (6144, 4096)])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (2048, 8192)])
 def test_fused_prologue_linear_gpu(m, n, k):
     """Add + RMSNorm and SiLU·mul folded into the projection, bf16: the new residual is
     exact, the output matches the separate ops within a bf16 ulp of the input and fp32
