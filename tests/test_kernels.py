@@ -244,7 +244,8 @@ def test_skinny_linear(kernels, m, n, k, bias):
 
 
 @pytest.mark.parametrize("m,n,k,residual,bias", [(1, 24, 40, True, False), (3, 37, 64, True, True),
-                                                 (2, 16, 48, False, False)])
+                                                 (2, 16, 48, False, False),
+                                                 (2, 24, 100, True, False)])
 def test_skinny_norm_linear(kernels, m, n, k, residual, bias):
     """Residual add + RMSNorm folded into the projection: same output and new residual as
     the separate ops (rounding included), and the residual is the input when there is none."""
@@ -254,7 +255,8 @@ def test_skinny_norm_linear(kernels, m, n, k, residual, bias):
     nw, w = torch.randn(k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     gemv = kernels.gemv
-    for cfg in (None, (4, 8, 16, 4)):  # one K chunk, then several (the pre-pass loops)
+    # One K chunk; several (an unrolled loop); more than MAX_UNROLL (a loop), for k=100.
+    for cfg in (None, (4, 8, 16, 4)):
         y, new_res = gemv.skinny_norm_linear(x, res, nw, 1e-6, w, b, config=cfg)
         ref_y, ref_res = gemv.skinny_norm_linear_ref(x, res, nw, 1e-6, w, b)
         torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
@@ -270,7 +272,7 @@ def test_skinny_silu_linear(kernels):
     g = torch.Generator().manual_seed(8)
     gate_up, w = torch.randn(3, 2 * 40, generator=g), torch.randn(24, 40, generator=g)
     ref = kernels.gemv.skinny_silu_linear_ref(gate_up, w)
-    for cfg in (None, (4, 8, 16, 4)):
+    for cfg in (None, (4, 8, 16, 4), (4, 8, 8, 4)):  # 1, 3 (unrolled) and 5 (loop) chunks
         torch.testing.assert_close(kernels.gemv.skinny_silu_linear(gate_up, w, config=cfg), ref,
                                    rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.fused.silu_linear(gate_up, w), ref, rtol=1e-5, atol=1e-4)

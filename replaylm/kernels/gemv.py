@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
 #: What the kernel computes on its input rows before the product (``_skinny_kernel``).
 PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+MAX_UNROLL = 4  # K chunks up to which the weight-streaming loop is unrolled
 
 #: (prologue, m, n, k, dtype, has_bias) -> (kernel config, or None for the unfused path; its
 #: µs; the unfused path's µs). Prologue "plain" is a bare projection (unfused = cuBLAS);
@@ -100,12 +101,27 @@ def _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residua
 
 
 @triton.jit
+def _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask, m_mask, cols,
+                store_residual, K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """Fold chunk ``k0`` of the weight strip and the input rows into the sums."""
+    w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+    if EVEN_K:
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
+    x, sq_k = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
+                           K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
+    return acc + w.to(tl.float32)[None, :, :] * x[:, None, :], sq + sq_k
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, eps,
                    stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -128,19 +144,20 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
     x, sq = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, 0, mask, cols, store_residual,
                          K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
     # Products accumulate elementwise; the one cross-thread reduction comes after the loop,
-    # so the loop body is loads and FMAs only. The loop is unrolled (K is a compile-time
-    # constant; a model has a few), so the chunks' weight loads are all in flight at once.
+    # so the loop body is loads and FMAs only. A short loop (K is a compile-time constant; a
+    # model has a few) is unrolled so all its weight loads are in flight at once; a long one
+    # stays a loop, as unrolling 16-56 chunks multiplies compile (and tuning) time.
     acc = w_first.to(tl.float32)[None, :, :] * x[:, None, :]
-    for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
-        w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
-        if EVEN_K:
-            mask = m_mask[:, None]
-        else:
-            mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
-        x, sq_k = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
-                               K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
-        sq += sq_k
-        acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    if UNROLL:
+        for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+            acc, sq = _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K)
+    else:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc, sq = _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_N, EVEN_K)
     out = tl.sum(acc, axis=2)  # [BM, BN]
     if PROLOGUE == 1:
         # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
@@ -201,7 +218,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0), K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
-        USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH,
+        UNROLL=triton.cdiv(k, bk) <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH,
     )
     return y, new_res
 
