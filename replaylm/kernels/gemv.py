@@ -27,10 +27,12 @@ fused prologues are decided the same way (``choose``), against the separate op +
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -46,7 +48,9 @@ log = logging.getLogger(__name__)
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
 #: What the kernel computes on its input rows before the product (``_skinny_kernel``).
 PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
-MAX_UNROLL = 4  # K chunks up to which the weight-streaming loop is unrolled
+#: K chunks up to which a program's weight strip is loaded whole before the PDL wait
+#: (``_skinny_kernel`` spells out four chunks).
+MAX_UNROLL = 4
 
 #: (prologue, m, n, k, dtype, has_bias) -> (kernel config, or None for the unfused path; its
 #: µs; the unfused path's µs). Prologue "plain" is a bare projection (unfused = cuBLAS);
@@ -101,11 +105,12 @@ def _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residua
 
 
 @triton.jit
-def _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask, m_mask, cols,
-                store_residual, K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """Fold chunk ``k0`` of the weight strip and the input rows into the sums."""
-    w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, store_residual,
+                K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Fold weight chunk ``w`` (at column ``k0``) and the matching input chunk into the sums.
+    Products accumulate elementwise; the one cross-thread reduction comes after the last
+    chunk, so this is loads and FMAs only."""
     if EVEN_K:
         mask = m_mask[:, None]
     else:
@@ -121,43 +126,57 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   UNROLL: tl.constexpr, USE_PDL: tl.constexpr):
+                   CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    # The first weight chunk does not depend on the previous kernel: with PDL its load is in
-    # flight while that kernel finishes.
+    # Weights are never written by an earlier kernel, so a strip of up to MAX_UNROLL chunks
+    # (WHOLE) is loaded whole before the PDL wait: with PDL the weight stream then overlaps the
+    # previous kernel, and only the (tiny) input rows are read after it. A longer strip
+    # loads its first chunk early and streams the rest in a loop (unrolling 16-56 chunks
+    # multiplies compile and tuning time).
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
-    w_first = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    w0 = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    w1 = w0  # placeholders; chunks past the strip's end are never used
+    w2 = w0
+    w3 = w0
+    if WHOLE and CHUNKS > 1:
+        w1 = _weight_chunk(w_ptrs, BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 2:
+        w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 3:
+        w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
     wait_for_previous(USE_PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
     out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
     store_residual = pid == 0  # one program writes the new residual
-    if EVEN_K:
-        mask = m_mask[:, None]
-    else:
-        mask = m_mask[:, None] & (cols < K)[None, :]
-    x, sq = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, 0, mask, cols, store_residual,
-                         K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
-    # Products accumulate elementwise; the one cross-thread reduction comes after the loop,
-    # so the loop body is loads and FMAs only. A short loop (K is a compile-time constant; a
-    # model has a few) is unrolled so all its weight loads are in flight at once; a long one
-    # stays a loop, as unrolling 16-56 chunks multiplies compile (and tuning) time.
-    acc = w_first.to(tl.float32)[None, :, :] * x[:, None, :]
-    if UNROLL:
-        for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
-            acc, sq = _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask,
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, sq = _accumulate(acc, sq, w0, 0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
+                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+    if WHOLE:
+        if CHUNKS > 1:
+            acc, sq = _accumulate(acc, sq, w1, BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
                                   m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_N, EVEN_K)
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 2:
+            acc, sq = _accumulate(acc, sq, w2, 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 3:
+            acc, sq = _accumulate(acc, sq, w3, 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
     else:
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            acc, sq = _accumulate(acc, sq, k0, w_ptrs, x_ptrs, r_ptrs, nw_ptr, out_ptrs, n_mask,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_N, EVEN_K)
+            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
+                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
+                                  EVEN_K)
     out = tl.sum(acc, axis=2)  # [BM, BN]
     if PROLOGUE == 1:
         # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
@@ -172,8 +191,8 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
 #: Tile candidates (BLOCK_N, BLOCK_K, num_warps) per row-block size; ``linear`` times each.
 CANDIDATES: dict[int, list[tuple[int, int, int]]] = {
     1: [(4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (4, 1024, 4), (2, 1024, 4),
-        (8, 256, 4), (16, 256, 4)],
-    2: [(4, 256, 4), (8, 256, 4), (4, 512, 8), (8, 512, 8)],
+        (8, 256, 4), (16, 256, 4), (2, 2048, 4), (4, 2048, 8)],
+    2: [(4, 256, 4), (8, 256, 4), (4, 512, 8), (8, 512, 8), (2, 1024, 4), (4, 1024, 8)],
     4: [(4, 128, 4), (4, 256, 8), (8, 128, 4), (8, 256, 8)],
     8: [(2, 128, 4), (4, 128, 4), (4, 128, 8), (8, 64, 4)],
 }
@@ -210,6 +229,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             residual = residual.contiguous()
         new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps = config or pick_config(m, n, k)
+    chunks = triton.cdiv(k, bk)
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
     _skinny_kernel[(triton.cdiv(n, bn),)](
@@ -218,7 +238,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0), K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
-        UNROLL=triton.cdiv(k, bk) <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
+        CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
         **pdl.LAUNCH,
     )
     return y, new_res
@@ -269,15 +289,26 @@ def skinny_silu_linear_ref(gate_up, weight):
     return skinny_linear_ref(torch.nn.functional.silu(gate) * up, weight)
 
 
-def graph_time_us(fn: Callable[[], object], reps: int = 20, trials: int = 3) -> float:
-    """Device time of one ``fn()`` call: ``reps`` calls captured in one CUDA graph, best of
-    ``trials`` replays, so host launch overhead is excluded (as inside a decode graph)."""
-    fn()
+def weight_rotation(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` and enough copies of it to exceed twice the L2 cache together: timing calls
+    that cycle through them stream their weights from HBM, as a decode step does (each layer's
+    weights are read once per step), rather than from L2, as repeats of one matrix would."""
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    copies = min(16, -(-2 * l2 // max(1, weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
+def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.Tensor],
+                  reps: int = 20, trials: int = 3) -> float:
+    """Device time of one ``fn(w)`` call: ``reps`` calls captured in one CUDA graph, best of
+    ``trials`` replays, so host launch overhead is excluded (as inside a decode graph). The
+    calls cycle through ``weights`` (``weight_rotation``: from HBM, not L2)."""
+    fn(weights[0])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with gc_paused(), torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+        for i in range(reps):
+            fn(weights[i % len(weights)])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(trials):
@@ -304,39 +335,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.nn.functional.linear(x, weight, bias)
     config = choose(
         ("plain", m, weight.shape[0], weight.shape[1], x.dtype, bias is not None),
-        x.device,
-        unfused=lambda: torch.nn.functional.linear(x, weight, bias),
-        fused=lambda cfg: skinny_linear(x, weight, bias, config=cfg),
+        weight,
+        unfused=lambda w: torch.nn.functional.linear(x, w, bias),
+        fused=lambda cfg, w: skinny_linear(x, w, bias, config=cfg),
     )
     if config is not None:
         return skinny_linear(x, weight, bias, config=config)
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def choose(key: tuple, device: torch.device, unfused: Callable[[], object],
-           fused: Callable[[tuple[int, int, int, int]], object]):
+def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], object],
+           fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]):
     """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)``, or
     None when ``unfused`` (cuBLAS, or the separate prologue op plus ``linear``) is faster.
 
-    Decided on first use outside graph capture by timing ``unfused()`` and ``fused(config)``
-    for every candidate config, each replayed from a CUDA graph; then kept in memory
+    Decided on first use outside graph capture by timing ``unfused(w)`` and ``fused(config, w)``
+    for every candidate config, each replayed from a CUDA graph (``graph_time_us``: ``w``
+    cycles through copies of ``weight``, the projection's weight); then kept in memory
     (``LINEAR_CHOICES``) and on disk. An undecided shape during capture takes ``unfused``.
     """
     choice = LINEAR_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
             return None
-        choice = _TUNING_CACHE.lookup(key, device)
+        choice = _TUNING_CACHE.lookup(key, weight.device)
         if choice is None:
-            choice = _tune(key, unfused, fused)
-            _TUNING_CACHE.store(key, device, choice)
+            choice = _tune(key, weight_rotation(weight), unfused, fused)
+            _TUNING_CACHE.store(key, weight.device, choice)
         LINEAR_CHOICES[key] = choice
     return choice[0]
 
 
+@functools.cache
+def _kernels_revision() -> str:
+    """A digest of the kernel sources the timings depend on (this file and ``fused.py``): an
+    edited kernel invalidates the decisions cached on disk."""
+    digest = hashlib.sha1()
+    for name in ("gemv.py", "fused.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 class _TuningCache:
     """Decisions of ``choose`` on disk (``$REPLAYLM_CACHE/linear_tuning.json``), per GPU
-    model, torch/triton versions and PDL setting, so a restart skips the timing runs."""
+    model, torch/triton versions, PDL setting and kernel sources, so a restart skips the
+    timing runs."""
 
     def __init__(self) -> None:
         self.entries: dict[str, list] | None = None
@@ -352,14 +395,17 @@ class _TuningCache:
         kind, m, n, k, dtype, bias = key
         gpu = torch.cuda.get_device_name(device)
         return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|pdl {pdl.ENABLED}|"
-                f"{kind}|{m}x{n}x{k}|{dtype}|{bias}")
+                f"src {_kernels_revision()}|{kind}|{m}x{n}x{k}|{dtype}|{bias}")
 
     def _load(self) -> dict[str, list]:
         if self.entries is None:
             try:
-                self.entries = json.loads(self._path().read_text())
+                entries = json.loads(self._path().read_text())
             except (OSError, ValueError):
-                self.entries = {}
+                entries = {}
+            # Decisions made for other kernel sources are stale: dropped on the next save.
+            current = f"|src {_kernels_revision()}|"
+            self.entries = {k: v for k, v in entries.items() if current in k}
         return self.entries
 
     def lookup(self, key: tuple, device: torch.device):
@@ -385,16 +431,16 @@ class _TuningCache:
 _TUNING_CACHE = _TuningCache()
 
 
-def _tune(key: tuple, unfused: Callable[[], object],
-          fused: Callable[[tuple[int, int, int, int]], object]):
+def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.Tensor], object],
+          fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]):
     """(best config or None for the unfused path, its µs, the unfused path's µs)."""
     kind, m, n, k = key[:4]
-    baseline = graph_time_us(unfused)
+    baseline = graph_time_us(unfused, weights)
     bm = triton.next_power_of_2(m)
     best, best_us = None, baseline
     for bn, bk, warps in CANDIDATES[bm]:
         cfg = (bm, bn, min(bk, triton.next_power_of_2(k)), warps)
-        us = graph_time_us(lambda cfg=cfg: fused(cfg))
+        us = graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights)
         if us < best_us:
             best, best_us = cfg, us
     log.info("%s linear %dx%dx%d: unfused %.2f us, best %s %.2f us", kind, m, n, k, baseline,
