@@ -45,6 +45,9 @@ from replaylm.kernels.pdl import wait_for_previous
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # upper bound on the split-KV axis
+#: Fewest keys a split takes: below it, merging partials costs more than it saves, so short
+#: contexts run as one split (no merge) even when the grid has more.
+MIN_SPLIT_KEYS = 256
 #: Merge counters per device: split-KV runs only while requests x KV heads < SM count and
 #: queries are <= 16 per request, so tiles x KV heads stays far below this.
 MAX_SPLIT_TILES = 8192
@@ -115,25 +118,32 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
     CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BQ * G_PAD
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # The batch layout (cu_seqlens_q, kv_lens) is written before the step's first kernel,
+    # never by the previous one: the request lookup runs before the PDL wait, overlapping
+    # the previous kernel. Only q and the newest keys (written by the rotary kernel) wait.
+    req = _lookup_request(cu_q_ptr, tile, num_reqs, BQ, CHUNK)
+    in_req = req < num_reqs
+    q_start = tl.load(cu_q_ptr + req)  # the total token count for a sink tile
+    q_len = tl.load(cu_q_ptr + req + 1, mask=in_req, other=0) - q_start
+    kv_len = tl.load(kv_lens_ptr + req, mask=in_req, other=0)
     wait_for_previous(USE_PDL)
 
-    req = _lookup_request(cu_q_ptr, tile, num_reqs, BQ, CHUNK)
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     head = kvh * GROUP + rows % G_PAD
     head_ok = (rows % G_PAD) < GROUP
 
-    if req >= num_reqs:
+    if not in_req:
         # Padding sink: zero the rows of tokens that belong to no request (split 0 only).
         if split == 0:
-            total = tl.load(cu_q_ptr + num_reqs)
+            total = q_start
             tok = (total // BQ + (tile - (total // BQ + num_reqs))) * BQ + rows // G_PAD
             ok = (tok >= total) & (tok < num_tokens) & head_ok
             o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -141,12 +151,9 @@ def _paged_attn_kernel(
             tl.store(o_ptrs, zero, mask=ok[:, None])
         return
 
-    q_start = tl.load(cu_q_ptr + req)
-    q_len = tl.load(cu_q_ptr + req + 1) - q_start
     j = tile - (q_start // BQ + req)
     if j * BQ >= q_len:
         return
-    kv_len = tl.load(kv_lens_ptr + req)
     ctx_start = kv_len - q_len  # absolute position of the request's first new token
 
     tok_local = j * BQ + rows // G_PAD
@@ -161,7 +168,7 @@ def _paged_attn_kernel(
     lo = 0
     tile_hi = hi
     if IS_SPLIT:
-        per = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
         lo = split * per
         if lo >= tile_hi:  # no keys for this split: it takes no part in the merge either
             return
@@ -214,15 +221,10 @@ def _paged_attn_kernel(
 @triton.jit
 def _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok, offs_d,
                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Sum the ``active`` split partials of a tile's rows, rescaled to a common max; returns
-    the un-normalised output and its softmax denominator. Loads bypass L1 (``.cg``): other
-    SMs wrote them."""
-    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for sp in range(0, active):
-        m = tl.load(part_ml_ptr + (part_row + sp) * 2, mask=row_ok, other=float("-inf"),
-                    cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    """Sum the ``active`` split partials of a tile's rows in one pass, rescaling the running
+    sum whenever the max grows (as the attention loop does); returns the un-normalised output
+    and its softmax denominator. Loads bypass L1 (``.cg``): other SMs wrote them."""
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for sp in range(0, active):
@@ -231,9 +233,13 @@ def _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok, offs_d,
         l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
         o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
                     other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        alpha = tl.exp2(m_run - m_use)
         w = tl.exp2(m - m_use)
-        acc += o * w[:, None]
-        l_sum += l_s * w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l_sum = l_sum * alpha + l_s * w
+        m_run = m_new
     return acc, l_sum
 
 
@@ -296,7 +302,8 @@ def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len
     programs = max(1, num_reqs * num_kv_heads)
     if programs >= sms:
         return 1
-    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs), triton.cdiv(max_kv_len, 2 * block_n))
+    splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs),
+                 triton.cdiv(max_kv_len, max(2 * block_n, MIN_SPLIT_KEYS)))
     return max(1, splits)
 
 
@@ -312,6 +319,7 @@ def paged_attention(
     max_q_len: int,
     max_kv_len: int,
     num_splits: int | None = None,
+    min_split_keys: int = MIN_SPLIT_KEYS,
     config: AttnConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -321,8 +329,9 @@ def paged_attention(
     ``[num_blocks, 16, Hkv, D]``; ``cu_seqlens_q`` ``[S+1]`` int32, ``kv_lens`` ``[S]`` int32,
     ``block_table`` ``[S, max_blocks]`` int32, all on the device. ``max_q_len`` /
     ``max_kv_len`` are host upper bounds; they pick the kernel variant and the split count
-    (``num_splits`` overrides the latter), never the grid's request lookup. Rows of padded
-    tokens come back as zeros. No host sync.
+    (``num_splits`` overrides the latter), never the grid's request lookup. A split takes at
+    least ``min_split_keys`` keys (a multiple of the key block), so a short context is one
+    split however many the grid has. Rows of padded tokens come back as zeros. No host sync.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -361,7 +370,8 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BQ=bq, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, CHUNK=_SEARCH_CHUNK, USE_PDL=pdl.ENABLED,
+        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, MIN_SPLIT=triton.cdiv(min_split_keys, cfg.block_n) * cfg.block_n, CHUNK=_SEARCH_CHUNK,
+        USE_PDL=pdl.ENABLED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH,
     )
     return out

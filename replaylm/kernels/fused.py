@@ -174,13 +174,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, out_ptr, w_ptr, cos, sin, tok, stride_xt, stride_xh, stride_ot,
-                     stride_oh, eps, NUM: tl.constexpr, NUM_PAD: tl.constexpr,
-                     HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Normalise (optionally) and rotate all heads of one token; returns the rotated halves."""
-    h = tl.arange(0, NUM_PAD)
+def _norm_rope_heads(x_ptr, out_ptr, w1, w2, cos, sin, tok, h0, num_heads, stride_xt, stride_xh,
+                     stride_ot, stride_oh, eps, HP: tl.constexpr, HALF: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+    """Normalise (optionally) and rotate heads ``h0 .. h0+HP`` (those below ``num_heads``) of
+    one token; stores them and returns the rotated halves and the head mask."""
+    h = h0 + tl.arange(0, HP)
     d = tl.arange(0, HALF)
-    mask = (h < NUM)[:, None]
+    mask = (h < num_heads)[:, None]
     base = x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
@@ -189,8 +190,6 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, cos, sin, tok, stride_xt, stride_xh,
     b = x2.to(tl.float32)
     if HAS_NORM:
         rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + d).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
         a = ((a * rstd[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
         b = ((b * rstd[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
     # Each product is rounded to the model dtype as the torch path (cos/sin cast to it) does.
@@ -199,7 +198,7 @@ def _norm_rope_heads(x_ptr, out_ptr, w_ptr, cos, sin, tok, stride_xt, stride_xh,
     obase = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(obase, o1.to(dt), mask=mask)
     tl.store(obase + HALF, o2.to(dt), mask=mask)
-    return o1.to(dt), o2.to(dt)
+    return o1.to(dt), o2.to(dt), h, mask
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -209,44 +208,65 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HQ: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-    PAGE: tl.constexpr, USE_PDL: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # One program per (token, head): heads 0..HQ-1 are q, the rest k (each with its v).
-    # Decode steps have one or a few tokens, so a program per head keeps latency low.
-    wait_for_previous(USE_PDL)
+    # One program per (token, group of HP heads): the first cdiv(HQ, HP) groups are q heads,
+    # the rest k heads (each with its v). Decode steps take HP = 1, so a program per head
+    # keeps latency low; large batches take bigger groups, so fewer programs.
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    group = tl.program_id(1)
+    # Positions, slots, the rotary table and norm weights are not written by the previous
+    # kernel: they are read before the PDL wait, overlapping it.
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, HALF)
     cs_row = cs_ptr + pos * stride_cs
-    cos = tl.load(cs_row + d)
-    sin = tl.load(cs_row + HALF + d)
-    cos = cos.to(q_ptr.dtype.element_ty).to(tl.float32)
-    sin = sin.to(q_ptr.dtype.element_ty).to(tl.float32)
-    if head < HQ:
-        _norm_rope_heads(q_ptr + head * stride_qh, q_out_ptr + head * stride_qoh, qw_ptr, cos,
-                         sin, tok, stride_qt, stride_qh, stride_qot, stride_qoh, eps, 1, 1, HALF,
-                         HAS_NORM)
+    cos = tl.load(cs_row + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+    sin = tl.load(cs_row + HALF + d).to(q_ptr.dtype.element_ty).to(tl.float32)
+    QG: tl.constexpr = (HQ + HP - 1) // HP  # groups of q heads
+    is_q = group < QG
+    w1 = cos  # placeholders without norm weights
+    w2 = sin
+    if HAS_NORM:
+        if is_q:
+            w1 = tl.load(qw_ptr + d).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + d).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + d).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + d).to(tl.float32)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+    wait_for_previous(USE_PDL)
+    if is_q:
+        _norm_rope_heads(q_ptr, q_out_ptr, w1, w2, cos, sin, tok, group * HP, HQ, stride_qt,
+                         stride_qh, stride_qot, stride_qoh, eps, HP, HALF, HAS_NORM)
     else:
-        kvh = head - HQ
-        k1, k2 = _norm_rope_heads(k_ptr + kvh * stride_kh, k_out_ptr + kvh * stride_koh, kw_ptr,
-                                  cos, sin, tok, stride_kt, stride_kh, stride_kot, stride_koh,
-                                  eps, 1, 1, HALF, HAS_NORM)
+        k1, k2, h, mask = _norm_rope_heads(k_ptr, k_out_ptr, w1, w2, cos, sin, tok,
+                                           (group - QG) * HP, HKV, stride_kt,
+                                           stride_kh, stride_kot, stride_koh, eps, HP, HALF,
+                                           HAS_NORM)
         if WRITE_KV:
-            slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
                 blk = slot // PAGE
                 off = slot % PAGE
-                kc = (k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch
-                      + d[None, :])
-                tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty))
-                vsrc = v_ptr + tok * stride_vt + kvh * stride_vh + d[None, :]
-                vc = (v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch
-                      + d[None, :])
-                tl.store(vc, tl.load(vsrc).to(v_cache_ptr.dtype.element_ty))
-                tl.store(vc + HALF, tl.load(vsrc + HALF).to(v_cache_ptr.dtype.element_ty))
+                kc = (k_cache_ptr + blk * stride_kcb + off * stride_kcs
+                      + h[:, None] * stride_kch + d[None, :])
+                tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                vsrc = v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :]
+                vc = (v_cache_ptr + blk * stride_vcb + off * stride_vcs
+                      + h[:, None] * stride_vch + d[None, :])
+                tl.store(vc, tl.load(vsrc, mask=mask).to(v_cache_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.store(vc + HALF,
+                         tl.load(vsrc + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty),
+                         mask=mask)
+
+
+def rotary_heads_per_program(num_tokens: int) -> int:
+    """Heads per rotary program: one for decode-sized steps (latency: the most programs),
+    eight for large ones (a program per head would be tens of thousands of tiny programs)."""
+    return 1 if num_tokens <= 16 else 8
 
 
 def rotary(
@@ -292,13 +312,16 @@ def rotary(
     kw = k_norm_weight if has_norm else cos_sin
     kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if write_kv else (0, 0, 0)
     vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if write_kv else (0, 0, 0)
-    _rotary_kernel[(num_tokens, num_heads + num_kv_heads)](
+    hp = rotary_heads_per_program(num_tokens)
+    groups = triton.cdiv(num_heads, hp) + triton.cdiv(num_kv_heads, hp)
+    _rotary_kernel[(num_tokens, groups)](
         q, k, vv, positions, cos_sin, qw, kw, q_out, k_out, kc, vc, sm, num_tokens, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         *kc_strides, *vc_strides,
-        HQ=num_heads, HALF=head_dim // 2, HAS_NORM=has_norm, WRITE_KV=write_kv,
-        PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED, num_warps=1, **pdl.LAUNCH,
+        HQ=num_heads, HKV=num_kv_heads, HP=hp, HALF=head_dim // 2, HAS_NORM=has_norm,
+        WRITE_KV=write_kv, PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED,
+        num_warps=max(1, min(4, hp * head_dim // 256)), **pdl.LAUNCH,
     )
     return q_out, k_out
 
@@ -313,16 +336,16 @@ def norm_linear(
     """``fused_add_rmsnorm`` then ``linear``; returns ``(projection, new_residual)``. At a
     few rows one kernel does both when the measured choice says so."""
 
-    def unfused():
+    def unfused(w: torch.Tensor = weight):
         normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
-        return linear(normed, weight, bias), new_res
+        return linear(normed, w, bias), new_res
 
     m = x.shape[0]
     if 0 < m <= gemv.MAX_M and x.is_cuda:
         key = ("norm" if residual is not None else "norm0", m, weight.shape[0], weight.shape[1],
                x.dtype, bias is not None)
-        config = gemv.choose(key, x.device, unfused, lambda cfg: gemv.skinny_norm_linear(
-            x, residual, norm_weight, eps, weight, bias, config=cfg))
+        config = gemv.choose(key, weight, unfused, lambda cfg, w: gemv.skinny_norm_linear(
+            x, residual, norm_weight, eps, w, bias, config=cfg))
         if config is not None:
             return gemv.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
                                            config=config)
@@ -332,14 +355,14 @@ def norm_linear(
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
 
-    def unfused():
-        return linear(silu_and_mul(gate_up), weight)
+    def unfused(w: torch.Tensor = weight):
+        return linear(silu_and_mul(gate_up), w)
 
     m = gate_up.shape[0]
     if 0 < m <= gemv.MAX_M and gate_up.is_cuda:
         key = ("silu", m, weight.shape[0], weight.shape[1], gate_up.dtype, False)
-        config = gemv.choose(key, gate_up.device, unfused,
-                             lambda cfg: gemv.skinny_silu_linear(gate_up, weight, config=cfg))
+        config = gemv.choose(key, weight, unfused,
+                             lambda cfg, w: gemv.skinny_silu_linear(gate_up, w, config=cfg))
         if config is not None:
             return gemv.skinny_silu_linear(gate_up, weight, config=config)
     return unfused()
