@@ -34,7 +34,7 @@ from replaylm.attention.torch_ref import attention_ref  # noqa: E402
 IN_PROCESS = isinstance(triton.language.sum, InterpretedFunction)
 # gemv before fused: fused re-exports gemv's ``linear`` at import.
 _MODULES = ("replaylm.kernels.attention", "replaylm.kernels.kv_write", "replaylm.kernels.gemv",
-            "replaylm.kernels.fused")
+            "replaylm.kernels.fused", "replaylm.kernels.argmax")
 
 
 def test_interpreter_suite_in_subprocess():
@@ -79,8 +79,8 @@ def kernels():
         mods.append(mod)
     from replaylm.attention.triton_backend import TritonAttentionBackend
 
-    attn, kvw, gemv, fused = mods
-    yield SimpleNamespace(attn=attn, kvw=kvw, gemv=gemv, fused=fused,
+    attn, kvw, gemv, fused, argmax = mods
+    yield SimpleNamespace(attn=attn, kvw=kvw, gemv=gemv, fused=fused, argmax=argmax,
                           backend=TritonAttentionBackend())
     undo_shim()
 
@@ -172,9 +172,12 @@ def test_split_kv(kernels, hq, hkv, splits):
     cfg = kernels.attn.AttnConfig(block_m=16 * (hq // hkv), block_n=16, num_warps=4,
                                   num_stages=1)
     for _ in range(2):  # the second launch reuses the merge counters the first reset
-        check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg),
-                   q, kc, vc, meta)
+        check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg,
+                            min_split_keys=16), q, kc, vc, meta)
         assert not kernels.attn._split_counters(q.device).any()
+    # With the default minimum split length these contexts need one or two splits.
+    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg), q, kc, vc,
+               meta)
 
 
 def test_split_choice_is_host_only(kernels):
@@ -290,22 +293,27 @@ def _rope_table(max_pos: int, d: int) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-@pytest.mark.parametrize("qk_norm,write", [(False, False), (True, False), (True, True)])
-def test_rotary(kernels, qk_norm, write):
+@pytest.mark.parametrize("qk_norm,write,t", [(False, False, 5), (True, False, 5), (True, True, 5),
+                                            (True, True, 20), (False, True, 20)])
+def test_rotary(kernels, qk_norm, write, t):
+    """Decode-sized steps run a program per head; larger ones (t > 16) a program per group
+    of heads, here one partly masked group for q and one for k."""
     g = torch.Generator().manual_seed(6)
-    t, hq, hkv, d = 5, 6, 2, 32
+    hq, hkv, d = 6, 2, 32
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     q = qkv[:, :hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
     v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-    positions = torch.tensor([0, 7, 8, 30, 2])
+    positions = torch.tensor([0, 7, 8, 30, 2] * (t // 5))
     cos_sin = _rope_table(32, d)
     kw = {}
     if qk_norm:
         kw.update(q_norm_weight=torch.randn(d, generator=g), k_norm_weight=torch.randn(d, generator=g),
                   eps=1e-6)
     caches = [torch.zeros(3, BLOCK_SIZE, hkv, d) for _ in range(4)]
-    slots = torch.tensor([16, 17, 40, -1, 0])
+    # Distinct cache slots, one token without a slot (-1).
+    slots = torch.randperm(3 * BLOCK_SIZE, generator=g)[:t]
+    slots[3] = -1
     out = kernels.fused.rotary(q, k, positions, cos_sin, **kw,
                                **(dict(v=v, k_cache=caches[0], v_cache=caches[1],
                                        slot_mapping=slots) if write else {}))
@@ -317,4 +325,22 @@ def test_rotary(kernels, qk_norm, write):
     if write:
         torch.testing.assert_close(caches[0], caches[2])
         torch.testing.assert_close(caches[1], caches[3])
-        assert caches[0][1].abs().sum() > 0
+        written = slots[slots >= 0]
+        assert (caches[0].view(-1, hkv, d)[written].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("vocab", [1000, 3 * 4096 + 5])
+def test_argmax(kernels, vocab):
+    """One-launch row argmax = torch.argmax: first index on ties (many per row, across
+    chunks), NaN wins, an all -inf row gives 0; counters are reset for the next launch."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(0, 30, (5, vocab), generator=g).float()
+    x[1, vocab - 3] = 31.0  # the maximum in the last (partial) chunk
+    x[2, 7] = float("nan")
+    x[2, vocab - 1] = float("nan")
+    x[3] = float("-inf")
+    for _ in range(2):
+        got = kernels.argmax.argmax(x)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+        assert not kernels.argmax._counters(x.device).any()

@@ -105,22 +105,15 @@ def uniforms(rkeys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (first index on ties) for ``[L, V]`` rows, in two stages.
+    """``logits.argmax(-1)`` (first index on ties) for ``[L, V]`` rows: on CUDA one Triton
+    launch (``replaylm.kernels.argmax``; torch's reduction takes one thread block per row
+    and ~36 µs for a 128k vocab row), elsewhere torch's."""
+    if logits.is_cuda and logits.stride(-1) == 1 and logits.shape[0] > 0:
+        from replaylm.kernels.argmax import MAX_ROWS, argmax
 
-    torch reduces one long row with one thread block: a 128k-entry vocab row takes ~36 µs on
-    an H200, as long as a whole layer of a 1B model. Split into ``C`` chunks, the row is reduced
-    by ``C`` blocks at once; the winner is the first chunk holding the maximum, at its first
-    maximal index, which is the plain argmax's answer.
-    """
-    rows, vocab = logits.shape
-    chunks = next((c for c in (256, 128, 64, 32) if vocab % c == 0 and vocab // c >= 256), 0)
-    if not chunks or not logits.is_contiguous():
-        return logits.argmax(dim=-1)
-    width = vocab // chunks
-    part = logits.view(rows, chunks, width)
-    vals, idx = part.max(dim=-1)  # [L, C]: first maximal index within each chunk
-    best = vals.argmax(dim=-1, keepdim=True)  # [L, 1]: first chunk holding the row's maximum
-    return (idx.gather(1, best) + best * width).squeeze(1)
+        if logits.shape[0] <= MAX_ROWS:
+            return argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 class SamplingState:

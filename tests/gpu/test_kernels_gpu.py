@@ -183,8 +183,9 @@ def test_fused_kernels(dtype):
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_rotary_fused(qk_norm, d):
-    dtype, t, hq, hkv = torch.bfloat16, 29, 16, 8
+@pytest.mark.parametrize("t", [3, 29])  # a program per head; per group of heads
+def test_rotary_fused(qk_norm, d, t):
+    dtype, hq, hkv = torch.bfloat16, 16, 8
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=dtype)
     q = qkv[:, :hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
@@ -262,10 +263,16 @@ def test_fused_prologue_linear_gpu(m, n, k):
 
 
 def test_argmax_rows_gpu():
-    """Two-stage argmax equals torch.argmax on the device, first index on ties."""
+    """The one-launch argmax equals torch.argmax on the device: first index on ties, NaN
+    wins; repeated launches reuse the arrival counters."""
+    from replaylm.kernels.argmax import _counters
     from replaylm.sampling.sampler import argmax_rows
 
     g = torch.Generator(device=DEV).manual_seed(1)
-    for vocab in (128256, 151936, 32000):
-        x = torch.randint(0, 40, (7, vocab), device=DEV, generator=g).to(torch.bfloat16)
-        assert torch.equal(argmax_rows(x), x.argmax(-1))
+    for vocab in (128256, 151936, 32000, 4000):
+        for rows in (1, 7, 300):
+            x = torch.randint(0, 40, (rows, vocab), device=DEV, generator=g).to(torch.bfloat16)
+            x[0, vocab // 2] = float("nan")
+            for _ in range(3):
+                assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert not _counters(x.device).any()
