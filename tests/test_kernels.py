@@ -180,6 +180,46 @@ def test_split_kv(kernels, hq, hkv, splits):
                meta)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_with_rope(kernels, qk_norm, splits):
+    """Decode attention that normalises and rotates q and the new key itself and writes the
+    new K/V = the rotary kernel's reference, then attention over the updated cache."""
+    hq, hkv, d = 4, 2, 32
+    kv_lens = [200, 17, 1, 64, 33]
+    q, kc, vc, meta = make_batch([1] * len(kv_lens), kv_lens, hq=hq, hkv=hkv, d=d,
+                                 pad_tokens=2, pad_slots=1, seed=11 + splits)
+    g = torch.Generator().manual_seed(5)
+    t = q.shape[0]
+    k_new, v_new = torch.randn(2, t, hkv, d, generator=g)
+    slots = torch.zeros(t, dtype=torch.int64)  # padded tokens: scratch block 0
+    positions = torch.zeros(t, dtype=torch.int64)
+    for i, kv in enumerate(kv_lens):
+        positions[i] = kv - 1
+        slots[i] = int(meta.block_table[i, (kv - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (kv - 1) % BLOCK_SIZE
+    cos_sin = _rope_table(256, d)
+    norms = {}
+    if qk_norm:
+        norms = dict(q_norm_weight=torch.randn(d, generator=g),
+                     k_norm_weight=torch.randn(d, generator=g), eps=1e-6)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    q_ref, _ = kernels.fused.rotary_ref(q, k_new, positions, cos_sin, v=v_new, k_cache=ref_k,
+                                        v_cache=ref_v, slot_mapping=slots, **norms)
+    rope = kernels.attn.RopeInputs(k=k_new, v=v_new, positions=positions, cos_sin=cos_sin,
+                                   slot_mapping=slots, **norms)
+    cfg = kernels.attn.AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    out = run_attn(kernels, q, kc, vc, meta, num_splits=splits, min_split_keys=16, config=cfg,
+                   rope=rope)
+    # Every real request's new K/V is in the cache (block 0, the padding scratch, aside).
+    torch.testing.assert_close(kc[1:], ref_k[1:])
+    torch.testing.assert_close(vc[1:], ref_v[1:])
+    check_attn(out, q_ref, ref_k, ref_v, meta)
+    with pytest.raises(ValueError, match="max_q_len"):
+        kernels.attn.paged_attention(q, kc, vc, meta.cu_seqlens_q, meta.kv_lens,
+                                     meta.block_table, 1.0, max_q_len=2, max_kv_len=200,
+                                     rope=rope)
+
+
 def test_split_choice_is_host_only(kernels):
     q = torch.zeros(1, 32, 128)
     pick = kernels.attn.pick_num_splits
@@ -344,3 +384,36 @@ def test_argmax(kernels, vocab):
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
         assert not kernels.argmax._counters(x.device).any()
+
+
+def test_model_rope_in_attention(kernels, tiny_checkpoint):
+    """The model with the fused kernels: on a decode step, q/k norm, rotary and the KV write
+    inside the attention launch give the same hidden states and cache as the rotary kernel;
+    a prefill step (more than one new token) keeps the rotary kernel."""
+    from tests.model_helpers import bound_model, one_request_meta
+
+    _, path, _ = tiny_checkpoint
+    model = bound_model(path, kernels.backend, num_blocks=8)
+    model.use_fused_kernels(True)
+    assert model.layers[0].kernels is kernels.fused
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        model.rope_in_attention = True
+        model(ids[:19], torch.arange(19), one_request_meta(0, 19, [3, 5]))  # prefill
+        saved = [(k.clone(), v.clone()) for k, v in model.kv_caches]
+        results = []
+        for fused in (False, True):
+            for (k, v), (k0, v0) in zip(model.kv_caches, saved):
+                k.copy_(k0)
+                v.copy_(v0)
+            model.rope_in_attention = fused
+            meta = one_request_meta(19, 1, [3, 5])
+            assert model._defer_rope(meta) == fused
+            hidden = model(ids[19:], torch.tensor([19]), meta)
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in model.kv_caches]))
+    (h_sep, caches_sep), (h_fused, caches_fused) = results
+    torch.testing.assert_close(h_fused, h_sep)
+    for (k1, v1), (k2, v2) in zip(caches_fused, caches_sep):
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+        assert k1[5, 3].abs().sum() > 0  # the new token's key (position 19: block 5, slot 3)

@@ -23,18 +23,22 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         kv_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                rope: attn_kernels.RopeInputs | None = None) -> torch.Tensor:
+        """Attention over the batch; with ``rope`` (decode steps only) ``q`` is the raw q
+        projection and the launch also does the rotary kernel's work (``RopeInputs``)."""
         return attn_kernels.paged_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens, meta.block_table, scale,
-            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len,
+            max_q_len=meta.max_q_len, max_kv_len=meta.max_kv_len, rope=rope,
         )
 
     def warmup(self, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device) -> None:
+               device: torch.device, qk_norm: bool = False) -> None:
         """Run every kernel variant once on tiny inputs so nothing JITs during capture.
 
         The variants are: each decode/verify tile height (by ``max_q_len``), with and without
-        split-KV (which also allocates the merge counters), the prefill tile, and the KV write.
+        split-KV (which also allocates the merge counters), decode with the rotary work inside
+        (with ``qk_norm``: Qwen3's q/k norm too), the prefill tile, and the KV write.
         """
         device = torch.device(device)
         g_pad = attn_kernels.group_pad(num_heads, num_kv_heads)
@@ -58,5 +62,16 @@ class TritonAttentionBackend(AttentionBackend):
                     q, k_cache, v_cache, cu, kv_lens, block_table, head_dim**-0.5,
                     max_q_len=q_len, max_kv_len=n, num_splits=splits, config=cfg,
                 )
+                if q_len == 1:
+                    norm = torch.ones(head_dim, device=device, dtype=dtype) if qk_norm else None
+                    rope = attn_kernels.RopeInputs(
+                        k=k[:1], v=k[:1], positions=kv_lens.long() - 1,
+                        cos_sin=torch.zeros(n, head_dim, device=device),
+                        slot_mapping=torch.tensor([BLOCK_SIZE], device=device),
+                        q_norm_weight=norm, k_norm_weight=norm)
+                    attn_kernels.paged_attention(
+                        q, k_cache, v_cache, cu, kv_lens, block_table, head_dim**-0.5,
+                        max_q_len=1, max_kv_len=n, num_splits=splits, config=cfg, rope=rope,
+                    )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

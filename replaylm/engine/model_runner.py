@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,13 +104,21 @@ class ModelRunner:
         self.model.poison_padding = args.poison_padding
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
+        # Decode steps rotate q and the new key inside attention (one launch fewer per layer)
+        # where the model runs whole; piecewise graphs fix the attention input's shape.
+        self.model.rope_in_attention = (
+            self.model.kernels is not None
+            and self.graph_mode not in ("piecewise", "full_and_piecewise")
+            and os.environ.get("REPLAYLM_ROPE_IN_ATTENTION", "1") != "0"
+        )
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.model.bind(self.attn, self.kv_caches, max_model_len)
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                             head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+                             head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
+                             qk_norm=cfg.qk_norm)
         self.graphs = GraphRuntime(
             self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,

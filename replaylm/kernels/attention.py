@@ -42,6 +42,7 @@ import triton.language as tl
 from replaylm.attention.backend import BLOCK_SIZE
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.rope import norm_rope
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # upper bound on the split-KV axis
@@ -114,14 +115,17 @@ def _attn_step(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
     cu_q_ptr, kv_lens_ptr, block_table_ptr,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, eps,
     sm_scale_log2, num_tokens, num_reqs, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, IS_SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr, HAS_QK_NORM: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BQ * G_PAD
+    HALF: tl.constexpr = HEAD_DIM // 2
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,6 +137,25 @@ def _paged_attn_kernel(
     q_start = tl.load(cu_q_ptr + req)  # the total token count for a sink tile
     q_len = tl.load(cu_q_ptr + req + 1, mask=in_req, other=0) - q_start
     kv_len = tl.load(kv_lens_ptr + req, mask=in_req, other=0)
+    if ROPE:
+        # Decode (one new token per request): the token's position and slot, the rotary
+        # table row and the q/k norm weights are not written by the previous kernel either.
+        has_tok = in_req & (q_len > 0)
+        dh = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + q_start, mask=has_tok, other=0).to(tl.int64)
+        new_slot = tl.load(slot_ptr + q_start, mask=has_tok, other=-1).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + dh).to(q_ptr.dtype.element_ty).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + dh).to(q_ptr.dtype.element_ty)
+        sin = sin.to(tl.float32)
+        qw1 = cos  # placeholders without q/k norm
+        qw2 = sin
+        kw1 = cos
+        kw2 = sin
+        if HAS_QK_NORM:
+            qw1 = tl.load(qw_ptr + dh).to(tl.float32)
+            qw2 = tl.load(qw_ptr + HALF + dh).to(tl.float32)
+            kw1 = tl.load(kw_ptr + dh).to(tl.float32)
+            kw2 = tl.load(kw_ptr + HALF + dh).to(tl.float32)
     wait_for_previous(USE_PDL)
 
     rows = tl.arange(0, BLOCK_M)
@@ -160,8 +183,17 @@ def _paged_attn_kernel(
     row_ok = (tok_local < q_len) & head_ok
     q_pos = ctx_start + tok_local
     tok = (q_start + tok_local).to(tl.int64)
-    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if ROPE:
+        # q arrives as the raw projection: normalise and rotate it here, as halves, then put
+        # the halves side by side again ([BM, HALF, 2] -> [BM, 2, HALF] -> [BM, D]).
+        qh = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
+        o1, o2 = norm_rope(tl.load(qh, mask=row_ok[:, None], other=0.0),
+                           tl.load(qh + HALF, mask=row_ok[:, None], other=0.0),
+                           qw1, qw2, cos, sin, eps, HALF, HAS_QK_NORM)
+        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
+    else:
+        q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     min_pos = ctx_start + j * BQ
     hi = tl.minimum(min_pos + BQ, kv_len)  # keys the tile's last row can see
@@ -176,6 +208,24 @@ def _paged_attn_kernel(
     # Keys below min_pos + 1 are visible to every row of the tile: no mask needed there.
     full_hi = lo + tl.maximum(tl.minimum(hi, min_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
 
+    if ROPE:
+        # The new key sits at position kv_len - 1. The one program whose key range holds it
+        # normalises and rotates it and stores it and its value into the cache before its
+        # own loads read them back (no other program reads that key in a decode step).
+        if (kv_len - 1 >= lo) & (kv_len - 1 < hi) & (new_slot >= 0):
+            kn = kn_ptr + q_start.to(tl.int64) * stride_knt + kvh * stride_knh + dh[None, :]
+            k1, k2 = norm_rope(tl.load(kn), tl.load(kn + HALF), kw1, kw2, cos, sin, eps, HALF,
+                               HAS_QK_NORM)
+            blk = new_slot // PAGE
+            off = new_slot % PAGE
+            kc = k_cache_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dh[None, :]
+            tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(kc + HALF, k2.to(k_cache_ptr.dtype.element_ty))
+            vn = vn_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh + dh
+            vc = v_cache_ptr + blk * stride_vb + off * stride_vs + kvh * stride_vh + dh
+            tl.store(vc, tl.load(vn).to(v_cache_ptr.dtype.element_ty))
+            tl.store(vc + HALF, tl.load(vn + HALF).to(v_cache_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the CTA's loads below see these stores
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -241,6 +291,26 @@ def _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok, offs_d,
         l_sum = l_sum * alpha + l_s * w
         m_run = m_new
     return acc, l_sum
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """What ``fused.rotary`` would do before attention, done by the attention launch itself
+    (decode steps: at most one new token per request). ``q`` is then the raw q projection;
+    the kernel normalises (Qwen3's q/k norm) and rotates it, and the program that holds a
+    request's newest key position normalises and rotates the new key and stores it and its
+    value at ``slot_mapping``. ``k``/``v`` are the raw ``[T, Hkv, D]`` projections (any row
+    and head strides, contiguous last dim); ``cos_sin`` is the ``[max_pos, D]`` fp32 table of
+    ``model.config.rope_cos_sin``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -322,6 +392,7 @@ def paged_attention(
     min_split_keys: int = MIN_SPLIT_KEYS,
     config: AttnConfig | None = None,
     out: torch.Tensor | None = None,
+    rope: RopeInputs | None = None,
 ) -> torch.Tensor:
     """Causal paged varlen attention of the packed batch; returns ``[T, Hq, D]``.
 
@@ -331,7 +402,9 @@ def paged_attention(
     ``max_kv_len`` are host upper bounds; they pick the kernel variant and the split count
     (``num_splits`` overrides the latter), never the grid's request lookup. A split takes at
     least ``min_split_keys`` keys (a multiple of the key block), so a short context is one
-    split however many the grid has. Rows of padded tokens come back as zeros. No host sync.
+    split however many the grid has. With ``rope`` (decode steps, ``max_q_len == 1``) the
+    launch also does the rotary kernel's work (``RopeInputs``). Rows of padded tokens come
+    back as zeros. No host sync.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -357,6 +430,23 @@ def paged_attention(
                               dtype=torch.float32)
     else:
         part_o = part_ml = out  # unused
+    if rope is not None:
+        if max_q_len != 1:
+            raise ValueError(f"rotary inside attention needs max_q_len == 1, got {max_q_len}")
+        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1
+        assert (rope.q_norm_weight is None) == (rope.k_norm_weight is None)
+        has_norm = rope.q_norm_weight is not None
+        rope_args = (rope.k, rope.v, rope.positions, rope.cos_sin,
+                     rope.q_norm_weight if has_norm else rope.cos_sin,
+                     rope.k_norm_weight if has_norm else rope.cos_sin, rope.slot_mapping,
+                     rope.eps)
+        rope_strides = (rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1),
+                        rope.cos_sin.stride(0))
+    else:
+        has_norm = False
+        rope_args = (q, q, cu_seqlens_q, q, q, q, cu_seqlens_q, 0.0)  # never read
+        rope_strides = (0, 0, 0, 0, 0)
+    min_split = triton.cdiv(min_split_keys, cfg.block_n) * cfg.block_n
     grid = (num_tokens // bq + num_reqs + 1, num_kv_heads, num_splits)
     counters = _split_counters(q.device)
     if is_split and grid[0] * grid[1] > counters.numel():
@@ -364,14 +454,15 @@ def paged_attention(
                          f"the {counters.numel()} merge counters")
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_ml, counters,
-        cu_seqlens_q, kv_lens, block_table,
+        cu_seqlens_q, kv_lens, block_table, *rope_args,
         scale * LOG2E, num_tokens, num_reqs, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        *rope_strides,
         GROUP=group, G_PAD=g_pad, BQ=bq, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim,
-        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, MIN_SPLIT=triton.cdiv(min_split_keys, cfg.block_n) * cfg.block_n, CHUNK=_SEARCH_CHUNK,
-        USE_PDL=pdl.ENABLED,
+        PAGE=BLOCK_SIZE, IS_SPLIT=is_split, MIN_SPLIT=min_split, ROPE=rope is not None,
+        HAS_QK_NORM=has_norm, CHUNK=_SEARCH_CHUNK, USE_PDL=pdl.ENABLED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH,
     )
     return out

@@ -27,6 +27,7 @@ from replaylm.attention.backend import BLOCK_SIZE
 from replaylm.kernels import gemv, pdl
 from replaylm.kernels.gemv import linear  # noqa: F401  (the layers' projections)
 from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.rope import norm_rope
 
 # --------------------------------------------------------------------------- references
 
@@ -185,20 +186,11 @@ def _norm_rope_heads(x_ptr, out_ptr, w1, w2, cos, sin, tok, h0, num_heads, strid
     base = x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
-        a = ((a * rstd[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
-        b = ((b * rstd[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
-    # Each product is rounded to the model dtype as the torch path (cos/sin cast to it) does.
-    o1 = (a * cos[None, :]).to(dt).to(tl.float32) - (b * sin[None, :]).to(dt).to(tl.float32)
-    o2 = (b * cos[None, :]).to(dt).to(tl.float32) + (a * sin[None, :]).to(dt).to(tl.float32)
+    o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, HAS_NORM)
     obase = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(obase, o1.to(dt), mask=mask)
-    tl.store(obase + HALF, o2.to(dt), mask=mask)
-    return o1.to(dt), o2.to(dt), h, mask
+    tl.store(obase, o1, mask=mask)
+    tl.store(obase + HALF, o2, mask=mask)
+    return o1, o2, h, mask
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -368,11 +368,14 @@ def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], o
 
 @functools.cache
 def _kernels_revision() -> str:
-    """A digest of the kernel sources the timings depend on (this file and ``fused.py``): an
-    edited kernel invalidates the decisions cached on disk."""
-    digest = hashlib.sha1()
-    for name in ("gemv.py", "fused.py"):
-        digest.update((Path(__file__).parent / name).read_bytes())
+    """A digest of the sources the timings depend on (this file, and the separate norm and
+    SiLU·mul kernels the fused prologues are timed against): an edited kernel invalidates the
+    decisions cached on disk."""
+    from replaylm.kernels import fused
+
+    digest = hashlib.sha1(Path(__file__).read_bytes())
+    for kernel in (fused._add_rmsnorm_kernel, fused._silu_mul_kernel):
+        digest.update(kernel.src.encode())
     return digest.hexdigest()[:12]
 
 

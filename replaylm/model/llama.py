@@ -8,7 +8,9 @@ SiLU-and-mul, down). The model is then
 
 and ``forward`` runs exactly these links in order: ``first_link``, then per layer
 ``attention`` and ``link`` (the last link is ``final_link``). A piecewise graph captures each
-dense link; a full graph captures the whole of ``forward``.
+dense link; a full graph captures the whole of ``forward``. With the fused Triton kernels in a
+whole-model mode (``rope_in_attention``), a decode step's "before" part ends at the qkv
+projection and the attention launch does the q/k norm, rotary and KV write itself.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         attn: AttentionBackend,
+        defer_rope: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``.
+        With ``defer_rope`` (fused kernels, decode steps) it stops after the projection and
+        returns the raw ``qkv``: attention does the rest (``CausalLM.attention``).
 
         ``self.kernels`` (CUDA) or ``ops`` (torch) supply the ops, with the same signatures."""
         cfg = self.cfg
@@ -63,6 +68,8 @@ class DecoderLayer(nn.Module):
             hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps,
             self.qkv_proj.weight, self.qkv_proj.bias,
         )
+        if defer_rope:
+            return qkv, residual
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -114,6 +121,9 @@ class CausalLM(nn.Module):
         # that leaks into a real row shows up as NaN in its logits.
         self.poison_padding = False
         self.kernels = None
+        # Set by the runner: decode steps leave q/k norm, rotary and the KV write to the
+        # attention launch (Triton backend, whole-model modes only).
+        self.rope_in_attention = False
 
     def bind(
         self,
@@ -156,14 +166,39 @@ class CausalLM(nn.Module):
         add_norm = self.kernels.fused_add_rmsnorm if self.kernels else ops.add_rms_norm
         return add_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
 
-    def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of layer ``i``. ``q`` is what ``before`` returned: the rotated q, or on a
+        decode step with ``rope_in_attention`` the raw qkv, whose q/k norm, rotary and KV
+        write then run inside the attention launch (which needs ``positions``)."""
         k_cache, v_cache = self.kv_caches[i]
-        return self.attn.forward(q, k_cache, v_cache, meta, self.scale)
+        if not self._defer_rope(meta):
+            return self.attn.forward(q, k_cache, v_cache, meta, self.scale)
+        from replaylm.kernels.attention import RopeInputs
+
+        cfg, layer = self.cfg, self.layers[i]
+        assert positions is not None, "rotary inside attention needs the positions"
+        t = q.shape[0]
+        q, k, v = q.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        kv_shape = (t, cfg.num_kv_heads, cfg.head_dim)
+        rope = RopeInputs(
+            k=k.view(kv_shape), v=v.view(kv_shape),
+            positions=positions, cos_sin=self.cos_sin, slot_mapping=meta.slot_mapping,
+            q_norm_weight=layer.q_norm.weight if cfg.qk_norm else None,
+            k_norm_weight=layer.k_norm.weight if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
+        )
+        return self.attn.forward(q.view(t, cfg.num_heads, cfg.head_dim), k_cache, v_cache, meta,
+                                 self.scale, rope=rope)
+
+    def _defer_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's attention does the rotary work (host-known: a graph tier
+        always decides the same way)."""
+        return self.rope_in_attention and meta.max_q_len == 1
 
     def _before(self, i, hidden, residual, positions, meta):
         return self.layers[i].before(
             hidden, residual, positions, self.cos_sin, self.kv_caches[i], meta.slot_mapping,
-            self.attn,
+            self.attn, defer_rope=self._defer_rope(meta),
         )
 
     # Whole model ----------------------------------------------------------------------------
@@ -173,8 +208,9 @@ class CausalLM(nn.Module):
         q, residual = self.first_link(input_ids, positions, meta)
         last = self.cfg.num_layers - 1
         for i in range(last):
-            q, residual = self.link(i, self.attention(i, q, meta), residual, positions, meta)
-        return self.final_link(self.attention(last, q, meta), residual)
+            q, residual = self.link(i, self.attention(i, q, meta, positions), residual,
+                                    positions, meta)
+        return self.final_link(self.attention(last, q, meta, positions), residual)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``hidden``'s rows: fp32, or written into ``out`` (model dtype), which lets

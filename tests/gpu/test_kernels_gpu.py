@@ -103,6 +103,41 @@ def test_long_context_decode(splits, hq, hkv, d):
     assert not _split_counters(q.device).any()
 
 
+@pytest.mark.parametrize("splits", [None, 1, 8])
+@pytest.mark.parametrize("hq,hkv,d,qk_norm", [(16, 8, 128, True), (32, 8, 64, False)])
+def test_decode_attention_with_rope_gpu(splits, hq, hkv, d, qk_norm):
+    """Decode attention doing the rotary kernel's work itself = rotary kernel, then attention
+    (same rounding steps; the q/k norm's sum of squares may reduce in another order, so
+    within one bf16 ulp rather than bit for bit)."""
+    kv_lens = [9000, 17, 300, 1]
+    q, kc, vc, meta = make_batch([1] * 4, kv_lens, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16,
+                                 pad_tokens=2, pad_slots=1, seed=3)
+    t = q.shape[0]
+    k_new, v_new = torch.randn(2, t, hkv, d, device=DEV, dtype=torch.bfloat16)
+    positions = torch.zeros(t, dtype=torch.int64, device=DEV)
+    slots = torch.zeros(t, dtype=torch.int64, device=DEV)
+    for i, kv in enumerate(kv_lens):
+        positions[i] = kv - 1
+        slots[i] = meta.block_table[i, (kv - 1) // BLOCK_SIZE] * BLOCK_SIZE + (kv - 1) % BLOCK_SIZE
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    freqs = torch.outer(torch.arange(10000, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    norms = {}
+    if qk_norm:
+        norms = dict(q_norm_weight=torch.randn(d, device=DEV, dtype=torch.bfloat16),
+                     k_norm_weight=torch.randn(d, device=DEV, dtype=torch.bfloat16), eps=1e-6)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q_rot, _ = fused.rotary(q, k_new, positions, cos_sin, v=v_new, k_cache=kc2, v_cache=vc2,
+                            slot_mapping=slots, **norms)
+    want = run(q_rot, kc2, vc2, meta, num_splits=splits)
+    rope = attn.RopeInputs(k=k_new, v=v_new, positions=positions, cos_sin=cos_sin,
+                           slot_mapping=slots, **norms)
+    got = run(q, kc, vc, meta, num_splits=splits, rope=rope)
+    torch.testing.assert_close(kc[1:], kc2[1:], atol=2e-2, rtol=1e-2)
+    assert torch.equal(vc[1:], vc2[1:])
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_prefill_vs_sdpa(d):
     n, hq, hkv = 2048, 32, 8

@@ -64,6 +64,25 @@ def test_engine_backends_agree_on_gpu(tiny_checkpoint):
     assert same >= 3, outs  # fp32 on the GPU: at most a rare near-tie may flip
 
 
+def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint, monkeypatch):
+    """Graphed batch-1 decode with q/k norm, rotary and the KV write inside attention gives
+    the same greedy tokens as with the separate rotary kernel (same rounding throughout)."""
+    _, path, _ = tiny_checkpoint
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", flag)
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=128, skip_tokenizer_init=True)
+        assert llm.engine.runner.model.rope_in_attention == (flag == "1")
+        outs[flag] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+                      for p in prompts]
+        assert llm.graph_stats()["hits"].get("ragged:1", 0) >= 40  # batch-1 decode, graphed
+        del llm
+    assert outs["0"] == outs["1"]
+
+
 def test_named_shape_dummy_runs(tmp_path):
     llm = LLM("qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
               max_num_seqs=8)
