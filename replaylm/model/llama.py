@@ -8,9 +8,10 @@ SiLU-and-mul, down). The model is then
 
 and ``forward`` runs exactly these links in order: ``first_link``, then per layer
 ``attention`` and ``link`` (the last link is ``final_link``). A piecewise graph captures each
-dense link; a full graph captures the whole of ``forward``. With the fused Triton kernels in a
-whole-model mode (``rope_in_attention``), a decode step's "before" part ends at the qkv
-projection and the attention launch does the q/k norm, rotary and KV write itself.
+dense link; a full graph captures the whole of ``forward``. With ``rope_in_attention`` (fused
+Triton kernels, whole-model modes, ``REPLAYLM_ROPE_IN_ATTENTION=1``; off by default, as it
+measured slower), a decode step's "before" part ends at the qkv projection and the attention
+launch does the q/k norm, rotary and KV write itself.
 """
 
 from __future__ import annotations
