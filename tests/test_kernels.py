@@ -231,8 +231,9 @@ def test_split_choice_is_host_only(kernels):
 def test_backend_forward_and_warmup(kernels):
     backend = kernels.backend
     assert backend.name == "triton" and backend.graph_safe
-    backend.warmup(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-                   device=torch.device("cpu"))
+    for rope, qk_norm in ((False, False), (True, False), (True, True)):
+        backend.warmup(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                       device=torch.device("cpu"), rope=rope, qk_norm=qk_norm)
     q, kc, vc, meta = make_batch(MIXED_Q, MIXED_KV, hq=4, hkv=2, d=16, pad_tokens=2,
                                  pad_slots=2, seed=7)
     check_attn(backend.forward(q, kc, vc, meta, 16**-0.5), q, kc, vc, meta)

@@ -77,7 +77,7 @@ class AttentionBackend(ABC):
         """Return ``[T, Hq, D]``; rows of padded tokens are unspecified (they are dropped)."""
 
     def warmup(self, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device, qk_norm: bool = False) -> None:
+               device: torch.device, rope: bool = False, qk_norm: bool = False) -> None:
         """Compile every kernel variant a later capture may need (no JIT during capture).
 
         Backends without compiled kernels have nothing to do.

@@ -33,12 +33,12 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def warmup(self, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device, qk_norm: bool = False) -> None:
+               device: torch.device, rope: bool = False, qk_norm: bool = False) -> None:
         """Run every kernel variant once on tiny inputs so nothing JITs during capture.
 
         The variants are: each decode/verify tile height (by ``max_q_len``), with and without
-        split-KV (which also allocates the merge counters), decode with the rotary work inside
-        (with ``qk_norm``: Qwen3's q/k norm too), the prefill tile, and the KV write.
+        split-KV (which also allocates the merge counters), the prefill tile, the KV write, and
+        with ``rope`` decode with the rotary work inside (``qk_norm``: with Qwen3's q/k norm).
         """
         device = torch.device(device)
         g_pad = attn_kernels.group_pad(num_heads, num_kv_heads)
@@ -62,7 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
                     q, k_cache, v_cache, cu, kv_lens, block_table, head_dim**-0.5,
                     max_q_len=q_len, max_kv_len=n, num_splits=splits, config=cfg,
                 )
-                if q_len == 1:
+                if rope and q_len == 1:
                     norm = torch.ones(head_dim, device=device, dtype=dtype) if qk_norm else None
                     rope = attn_kernels.RopeInputs(
                         k=k[:1], v=k[:1], positions=kv_lens.long() - 1,

@@ -120,7 +120,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
-                             qk_norm=cfg.qk_norm)
+                             rope=self.model.rope_in_attention, qk_norm=cfg.qk_norm)
         self.graphs = GraphRuntime(
             self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
