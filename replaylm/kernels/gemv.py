@@ -290,9 +290,10 @@ def skinny_silu_linear_ref(gate_up, weight):
 
 
 def weight_rotation(weight: torch.Tensor) -> list[torch.Tensor]:
-    """``weight`` and enough copies of it to exceed twice the L2 cache together: timing calls
-    that cycle through them stream their weights from HBM, as a decode step does (each layer's
-    weights are read once per step), rather than from L2, as repeats of one matrix would."""
+    """``weight`` and enough copies of it (at most 16) to exceed twice the L2 cache together:
+    timing calls that cycle through them stream their weights from HBM, as a decode step does
+    (each layer's weights are read once per step), rather than from L2, as repeats of one
+    matrix would. Matrices under an eighth of L2 stay partly L2-resident."""
     l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
     copies = min(16, -(-2 * l2 // max(1, weight.numel() * weight.element_size())))
     return [weight] + [weight.clone() for _ in range(copies - 1)]
