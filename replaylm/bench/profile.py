@@ -185,8 +185,7 @@ def kernel_busy_share(trace_path: str) -> float | None:
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    window = spans[-1][1] - spans[0][0]
-    window = max(window, max(e for _, e in spans) - spans[0][0])
+    window = max(e for _, e in spans) - spans[0][0]  # the last span to end, not to start
     return round(busy / window, 4) if window > 0 else None
 
 
@@ -197,7 +196,9 @@ def format_summary(label: str, summary: dict[str, Any], busy_share: float | None
     idle = summary.get("gpu_idle_share")
     trace = "" if busy_share is None else f", trace GPU busy {100 * busy_share:.1f}%"
     return (f"[profile] {label}: {summary['steady_steps']} steps; per step CPU "
-            f"{f(summary['cpu_ms_median'], ' ms')} (work {f(summary['cpu_work_ms_median'], ' ms')}), GPU busy {f(summary['gpu_busy_ms_median'], ' ms')}, "
+            f"{f(summary['cpu_ms_median'], ' ms')} "
+            f"(work {f(summary['cpu_work_ms_median'], ' ms')}), "
+            f"GPU busy {f(summary['gpu_busy_ms_median'], ' ms')}, "
             f"GPU idle {f(summary['gpu_idle_ms_median'], ' ms')} "
             f"({'n/a' if idle is None else f'{100 * idle:.1f}%'}), graph nodes "
             f"{f(summary['graph_nodes'])}{trace}; graphs {','.join(summary['modes'])}")
