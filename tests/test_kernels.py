@@ -370,6 +370,50 @@ def test_rotary(kernels, qk_norm, write, t):
         assert (caches[0].view(-1, hkv, d)[written].abs().sum(-1) > 0).all()
 
 
+@pytest.mark.parametrize("m,qk_norm,bias,bn", [(1, True, False, 4), (3, True, True, 8),
+                                                (2, False, False, 16)])
+def test_skinny_norm_linear_rope(kernels, m, qk_norm, bias, bn):
+    """The qkv projection that does the rotary kernel's work in its own launch equals the
+    projection followed by the rotary kernel (rotated q, k and v in the cache), including a
+    row without a slot; run twice, as the per-head arrival counts must be back at zero."""
+    g = torch.Generator().manual_seed(m * 7 + bn)
+    hq, hkv, d, hidden = 4, 2, 16, 48
+    x, res = torch.randn(m, hidden, generator=g), torch.randn(m, hidden, generator=g)
+    nw = torch.randn(hidden, generator=g)
+    w = torch.randn((hq + 2 * hkv) * d, hidden, generator=g) / hidden**0.5
+    b = torch.randn(w.shape[0], generator=g) if bias else None
+    positions = torch.tensor([3, 30, 17][:m])
+    slots = torch.tensor([5, -1, 40][:m])
+    norms = (dict(q_norm_weight=torch.randn(d, generator=g),
+                  k_norm_weight=torch.randn(d, generator=g)) if qk_norm else {})
+    cos_sin = _rope_table(32, d)
+    caches = [torch.zeros(3, BLOCK_SIZE, hkv, d) for _ in range(4)]
+    gemv = kernels.gemv
+    rope = gemv.QkvRope(num_heads=hq, num_kv_heads=hkv, head_dim=d, positions=positions,
+                        cos_sin=cos_sin, k_cache=caches[0], v_cache=caches[1],
+                        slot_mapping=slots, eps=1e-6, **norms)
+    assert gemv.rope_fits(rope, (4, bn, 16, 4)) and not gemv.rope_fits(rope, (4, 32, 16, 4))
+    qkv_ref, res_ref = gemv.skinny_norm_linear_ref(x, res, nw, 1e-6, w, b)
+    q_ref, _ = kernels.fused.rotary_ref(
+        qkv_ref[:, :hq * d].view(m, hq, d), qkv_ref[:, hq * d:(hq + hkv) * d].view(m, hkv, d),
+        positions, cos_sin, eps=1e-6, v=qkv_ref[:, (hq + hkv) * d:].view(m, hkv, d),
+        k_cache=caches[2], v_cache=caches[3], slot_mapping=slots, **norms)
+    for _ in range(2):
+        q, new_res = gemv.skinny_norm_linear_rope(x, res, nw, 1e-6, w, b, (4, bn, 16, 4), rope)
+        torch.testing.assert_close(new_res, res_ref, rtol=0, atol=0)
+        torch.testing.assert_close(q, q_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[0], caches[2], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1], caches[3], rtol=1e-4, atol=1e-4)
+        assert kernels.gemv._head_counters(x.device).eq(0).all()
+    assert caches[0].view(-1, hkv, d)[slots[slots >= 0]].abs().sum(-1).gt(0).all()
+    # The layers' op: off CUDA it is norm_linear, then the rotary kernel.
+    for c in caches[:2]:
+        c.zero_()
+    q, _ = kernels.fused.norm_linear_rope(x, res, nw, 1e-6, w, b, rope)
+    torch.testing.assert_close(q, q_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("vocab", [1000, 3 * 4096 + 5])
 def test_argmax(kernels, vocab):
     """One-launch row argmax = torch.argmax: first index on ties (many per row, across
@@ -385,6 +429,43 @@ def test_argmax(kernels, vocab):
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
         assert not kernels.argmax._counters(x.device).any()
+
+
+def test_model_rope_in_qkv(kernels, tiny_checkpoint, monkeypatch):
+    """The model with the fused kernels: on a decode step, the qkv projection's launch doing
+    the rotary work gives the same hidden states and cache as the rotary kernel after it. Off
+    CUDA the projection never picks the skinny kernel, so a tile config is forced here."""
+    from tests.model_helpers import bound_model, one_request_meta
+
+    _, path, _ = tiny_checkpoint
+    model = bound_model(path, kernels.backend, num_blocks=8)
+    model.use_fused_kernels(True)
+    fused = kernels.fused
+    monkeypatch.setattr(fused, "_norm_config", lambda x, *_: (
+        (triton.next_power_of_2(x.shape[0]), 8, 16, 4) if x.shape[0] <= 8 else None))
+    calls = []
+    real = kernels.gemv.skinny_norm_linear_rope
+    monkeypatch.setattr(kernels.gemv, "skinny_norm_linear_rope",
+                        lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        model(ids[:19], torch.arange(19), one_request_meta(0, 19, [3, 5]))  # prefill
+        saved = [(k.clone(), v.clone()) for k, v in model.kv_caches]
+        results = []
+        for in_qkv in (False, True):
+            for (k, v), (k0, v0) in zip(model.kv_caches, saved):
+                k.copy_(k0)
+                v.copy_(v0)
+            monkeypatch.setattr(fused, "ROPE_IN_QKV", in_qkv)
+            hidden = model(ids[19:], torch.tensor([19]), one_request_meta(19, 1, [3, 5]))
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in model.kv_caches]))
+    assert len(calls) == model.cfg.num_layers  # the decode step with ROPE_IN_QKV only
+    (h_sep, caches_sep), (h_fused, caches_fused) = results
+    torch.testing.assert_close(h_fused, h_sep)
+    for (k1, v1), (k2, v2) in zip(caches_fused, caches_sep):
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+        assert k1[5, 3].abs().sum() > 0  # the new token's key (position 19: block 5, slot 3)
 
 
 def test_model_rope_in_attention(kernels, tiny_checkpoint):

@@ -189,7 +189,7 @@ def _paged_attn_kernel(
         qh = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dh[None, :]
         o1, o2 = norm_rope(tl.load(qh, mask=row_ok[:, None], other=0.0),
                            tl.load(qh + HALF, mask=row_ok[:, None], other=0.0),
-                           qw1, qw2, cos, sin, eps, HALF, HAS_QK_NORM)
+                           qw1, qw2, cos[None, :], sin[None, :], eps, HALF, HAS_QK_NORM)
         q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
     else:
         q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
@@ -214,8 +214,8 @@ def _paged_attn_kernel(
         # own loads read them back (no other program reads that key in a decode step).
         if (kv_len - 1 >= lo) & (kv_len - 1 < hi) & (new_slot >= 0):
             kn = kn_ptr + q_start.to(tl.int64) * stride_knt + kvh * stride_knh + dh[None, :]
-            k1, k2 = norm_rope(tl.load(kn), tl.load(kn + HALF), kw1, kw2, cos, sin, eps, HALF,
-                               HAS_QK_NORM)
+            k1, k2 = norm_rope(tl.load(kn), tl.load(kn + HALF), kw1, kw2, cos[None, :],
+                               sin[None, :], eps, HALF, HAS_QK_NORM)
             blk = new_slot // PAGE
             off = new_slot % PAGE
             kc = k_cache_ptr + blk * stride_kb + off * stride_ks + kvh * stride_kh + dh[None, :]

@@ -15,9 +15,13 @@ than merely "within tolerance".
 * :func:`norm_linear` / :func:`silu_linear` — ``fused_add_rmsnorm`` or ``silu_and_mul``
   followed by ``linear``; at a few rows, when measured faster, one skinny-kernel launch
   that computes its own input rows.
+* :func:`norm_linear_rope` — ``norm_linear`` of the qkv projection then :func:`rotary`;
+  where the former is one skinny-kernel launch, that launch also does the rotary work.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -25,7 +29,7 @@ import triton.language as tl
 
 from replaylm.attention.backend import BLOCK_SIZE
 from replaylm.kernels import gemv, pdl
-from replaylm.kernels.gemv import linear  # noqa: F401  (the layers' projections)
+from replaylm.kernels.gemv import QkvRope, linear  # noqa: F401  (the layers' ops)
 from replaylm.kernels.pdl import wait_for_previous
 from replaylm.kernels.rope import norm_rope
 
@@ -186,7 +190,7 @@ def _norm_rope_heads(x_ptr, out_ptr, w1, w2, cos, sin, tok, h0, num_heads, strid
     base = x_ptr + tok * stride_xt + h[:, None] * stride_xh + d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, HAS_NORM)
+    o1, o2 = norm_rope(x1, x2, w1, w2, cos[None, :], sin[None, :], eps, HALF, HAS_NORM)
     obase = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :]
     tl.store(obase, o1, mask=mask)
     tl.store(obase + HALF, o2, mask=mask)
@@ -321,27 +325,75 @@ def rotary(
 # --------------------------------------------------------------------------- op + projection
 
 
+def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), new_res
+
+
+def _norm_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                 ) -> tuple[int, int, int, int] | None:
+    """The skinny-kernel config of the add + RMSNorm + projection fusion at this shape, or
+    None when the separate ops measured faster (or do not apply: many rows, CPU)."""
+    m = x.shape[0]
+    if not (0 < m <= gemv.MAX_M and x.is_cuda):
+        return None
+
+    def unfused(w: torch.Tensor):
+        return _unfused_norm_linear(x, residual, norm_weight, eps, w, bias)
+
+    key = ("norm" if residual is not None else "norm0", m, weight.shape[0], weight.shape[1],
+           x.dtype, bias is not None)
+    return gemv.choose(key, weight, unfused, lambda cfg, w: gemv.skinny_norm_linear(
+        x, residual, norm_weight, eps, w, bias, config=cfg))
+
+
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_add_rmsnorm`` then ``linear``; returns ``(projection, new_residual)``. At a
     few rows one kernel does both when the measured choice says so."""
+    config = _norm_config(x, residual, norm_weight, eps, weight, bias)
+    if config is not None:
+        return gemv.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config=config)
+    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
-    def unfused(w: torch.Tensor = weight):
-        normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
-        return linear(normed, w, bias), new_res
 
-    m = x.shape[0]
-    if 0 < m <= gemv.MAX_M and x.is_cuda:
-        key = ("norm" if residual is not None else "norm0", m, weight.shape[0], weight.shape[1],
-               x.dtype, bias is not None)
-        config = gemv.choose(key, weight, unfused, lambda cfg, w: gemv.skinny_norm_linear(
-            x, residual, norm_weight, eps, w, bias, config=cfg))
-        if config is not None:
-            return gemv.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                           config=config)
-    return unfused()
+#: Whether the fused qkv projection also does the rotary kernel's work (``norm_linear_rope``,
+#: ``REPLAYLM_ROPE_IN_QKV=1``). Off by default: on the H200 it removed a launch per layer but
+#: measured slower (Qwen3-0.6B batch 1: 1,133.7 tok/s against 1,206.0; Llama-3.2-1B 1,050.6
+#: against 1,051.6): the head's last program adds an atomic and a read back to the
+#: projection's critical path, which costs more than the rotary kernel's boundary.
+ROPE_IN_QKV: bool = os.environ.get("REPLAYLM_ROPE_IN_QKV", "0") == "1"
+
+
+def norm_linear_rope(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None, rope: gemv.QkvRope,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's "before" part after the hidden state: add + RMSNorm, the qkv projection,
+    q/k norm, rotary and the KV write (``rope``); returns ``(q, new_residual)`` with the
+    rotated q ``[T, Hq, D]``. Where the norm + projection runs as one skinny-kernel launch
+    (a few rows, measured faster), that launch does everything (``ROPE_IN_QKV``); otherwise
+    ``norm_linear`` and then :func:`rotary`."""
+    if ROPE_IN_QKV:
+        config = _norm_config(x, residual, norm_weight, eps, weight, bias)
+        if gemv.rope_fits(rope, config):
+            return gemv.skinny_norm_linear_rope(x, residual, norm_weight, eps, weight, bias,
+                                                config, rope)
+    qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
+    t, d = qkv.shape[0], rope.head_dim
+    q_size, kv_size = rope.num_heads * d, rope.num_kv_heads * d
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, _ = rotary(q.view(t, rope.num_heads, d), k.view(t, rope.num_kv_heads, d), rope.positions,
+                  rope.cos_sin, q_norm_weight=rope.q_norm_weight,
+                  k_norm_weight=rope.k_norm_weight, eps=rope.eps,
+                  v=v.view(t, rope.num_kv_heads, d), k_cache=rope.k_cache,
+                  v_cache=rope.v_cache, slot_mapping=rope.slot_mapping)
+    return q, residual
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ The kernel can also compute its input rows itself, which removes a launch (and i
 the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
 of a projection (each program sums the squares of the few input rows as it streams them and
 scales its outputs by 1/rms at the end; program 0 stores the new residual),
-``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
+``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj. Behind the qkv projection,
+``skinny_norm_linear_rope`` also does the rotary kernel's work (q/k norm, rotary, KV write):
+the last program of each head to finish (an atomic arrival count) normalises and rotates it.
 
 Neither wins everywhere (measured on the H200 in CUDA graphs: at one row, Qwen3-0.6B's
 o_proj, 1024x2048, takes 12.6 µs in cuBLAS and 2.3 µs here; at four rows its qkv, 4096x1024,
@@ -33,15 +35,18 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from replaylm.attention.backend import BLOCK_SIZE as PAGE_SIZE
 from replaylm.graphs.capture import gc_paused
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.rope import norm_rope
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +126,67 @@ def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, 
 
 
 @triton.jit
+def _rope_epilogue(out, pid, offs_m, offs_n, m_mask, y_ptr, stride_ym, counter_ptr, q_out_ptr,
+                   kc_ptr, vc_ptr, stride_qm, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                   slot, cos, sin, w1, w2, eps, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
+                   HKV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                   HAS_QK_NORM: tl.constexpr):
+    """The qkv projection's tail when it does the rotary kernel's work (``ROPE``).
+
+    A program's strip lies inside one head (``BLOCK_N`` divides ``HEAD_DIM``). A v head's
+    programs store their columns straight into ``v_cache``. A q or k head needs all its
+    columns at once (the q/k norm sums over the head, rotation pairs ``d`` with
+    ``d + HEAD_DIM/2``), so its programs store the raw columns to ``y``, count themselves in
+    with an atomic, and the last to arrive reads the head back, normalises and rotates it and
+    stores it into ``q_out`` or ``k_cache``, then resets the count (as split-KV attention
+    merges its partials)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    head = pid * BLOCK_N // HEAD_DIM
+    dt = y_ptr.dtype.element_ty
+    has_slot = m_mask & (slot >= 0)
+    blk = slot // PAGE
+    off = slot % PAGE
+    if head >= HQ + HKV:
+        col = offs_n - HQ * HEAD_DIM - HKV * HEAD_DIM  # kv head * HEAD_DIM + column
+        vc = vc_ptr + (blk * stride_vcb + off * stride_vcs)[:, None] + col[None, :]
+        tl.store(vc, out.to(dt).to(vc_ptr.dtype.element_ty), mask=has_slot[:, None])
+    else:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(dt),
+                 mask=m_mask[:, None])
+        tl.debug_barrier()  # the head's columns are written before the arrival is counted
+        arrived = tl.atomic_add(counter_ptr + head, 1, sem="acq_rel", scope="gpu")
+        if arrived == HEAD_DIM // BLOCK_N - 1:
+            tl.atomic_xchg(counter_ptr + head, 0, sem="relaxed", scope="gpu")  # for reuse
+            d = tl.arange(0, HALF)
+            src = y_ptr + offs_m[:, None] * stride_ym + head * HEAD_DIM + d[None, :]
+            # Other programs wrote these columns: bypass L1.
+            x1 = tl.load(src, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+            x2 = tl.load(src + HALF, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+            o1, o2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF, HAS_QK_NORM)
+            if head < HQ:
+                qo = q_out_ptr + offs_m[:, None] * stride_qm + head * HEAD_DIM + d[None, :]
+                tl.store(qo, o1, mask=m_mask[:, None])
+                tl.store(qo + HALF, o2, mask=m_mask[:, None])
+            else:
+                kc = (kc_ptr + (blk * stride_kcb + off * stride_kcs)[:, None]
+                      + (head - HQ) * HEAD_DIM + d[None, :])
+                tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=has_slot[:, None])
+                tl.store(kc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=has_slot[:, None])
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, eps,
                    stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
+                   counter_ptr, q_out_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr,
+                   kw_ptr, rope_eps, stride_qm, stride_kcb, stride_kcs, stride_vcb, stride_vcs,
+                   stride_cs,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
+                   CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr,
+                   ROPE: tl.constexpr = False, HQ: tl.constexpr = 1, HKV: tl.constexpr = 1,
+                   HEAD_DIM: tl.constexpr = 2, PAGE: tl.constexpr = 16,
+                   HAS_QK_NORM: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -149,6 +209,24 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
         w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
     if WHOLE and CHUNKS > 3:
         w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if ROPE:
+        # The step's positions and slots, the rotary table and the q/k norm weights are not
+        # written by the previous kernel either: read them before the wait.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HALF)
+        slot = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        cs = cs_ptr + pos[:, None] * stride_cs + d[None, :]
+        dt = y_ptr.dtype.element_ty
+        cos = tl.load(cs).to(dt).to(tl.float32)
+        sin = tl.load(cs + HALF).to(dt).to(tl.float32)
+        hw1 = cos  # the head's norm weight halves; placeholders without q/k norm
+        hw2 = sin
+        if HAS_QK_NORM:
+            q_side = pid * BLOCK_N < HQ * HEAD_DIM
+            hw1 = tl.where(q_side, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+            hw2 = tl.where(q_side, tl.load(qw_ptr + HALF + d),
+                           tl.load(kw_ptr + HALF + d)).to(tl.float32)
     wait_for_previous(USE_PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
@@ -184,8 +262,14 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
         out = out * tl.rsqrt(sq / K + eps)[:, None]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if ROPE:
+        _rope_epilogue(out, pid, offs_m, offs_n, m_mask, y_ptr, stride_ym, counter_ptr,
+                       q_out_ptr, kc_ptr, vc_ptr, stride_qm, stride_kcb, stride_kcs, stride_vcb,
+                       stride_vcs, slot, cos, sin, hw1, hw2, rope_eps, BLOCK_N, HQ, HKV, HEAD_DIM,
+                       PAGE, HAS_QK_NORM)
+    else:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 #: Tile candidates (BLOCK_N, BLOCK_K, num_warps) per row-block size; ``linear`` times each.
@@ -210,12 +294,70 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
 
 
+@dataclass(frozen=True)
+class QkvRope:
+    """What the rotary kernel (``fused.rotary``) does after the qkv projection, done by the
+    projection itself (``skinny_norm_linear_rope``): Qwen3's q/k norm (with the norm
+    weights), neox rotary at ``positions`` (``cos_sin``: the fp32 ``[max_pos, D]`` table of
+    ``model.config.rope_cos_sin``) and the KV-cache write of k and v at ``slot_mapping``
+    (slot < 0 skips). The projection's output columns are q | k | v heads of ``head_dim``."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+#: Arrival counters per head of the rotary epilogue, per device (zero between launches).
+MAX_ROPE_HEADS = 1024
+
+
+@functools.cache
+def _head_counters(device: torch.device) -> torch.Tensor:
+    """Per-head arrival counts of the rotary epilogue, zero between launches (the head's last
+    program resets its own). One buffer per device, allocated at warm-up before any capture:
+    the projections of one device run on one stream, one after another."""
+    return torch.zeros(MAX_ROPE_HEADS, dtype=torch.int32, device=device)
+
+
+def rope_fits(rope: QkvRope, config: tuple[int, int, int, int] | None) -> bool:
+    """Whether the rotary epilogue can run with tile ``config``: each program's strip must
+    lie inside one head, and the caches must be ``[blocks, page, Hkv, D]`` with contiguous
+    heads."""
+    if config is None or rope.head_dim % config[1] or rope.head_dim % 2:
+        return False
+    d = rope.head_dim
+    return all(c.stride(-1) == 1 and c.stride(-2) == d for c in (rope.k_cache, rope.v_cache))
+
+
+def _rope_args(rope: QkvRope | None, x: torch.Tensor, q_out: torch.Tensor | None) -> tuple:
+    """The kernel's rotary arguments (pointers, eps, strides), dummies without ``rope``."""
+    if rope is None:
+        return (x,) * 9 + (0.0,) + (0,) * 6
+    has_norm = rope.q_norm_weight is not None
+    qw = rope.q_norm_weight if has_norm else rope.cos_sin
+    kw = rope.k_norm_weight if has_norm else rope.cos_sin
+    kc, vc = rope.k_cache, rope.v_cache
+    return (_head_counters(x.device), q_out, kc, vc, rope.positions, rope.slot_mapping,
+            rope.cos_sin, qw, kw, rope.eps, q_out.stride(0), kc.stride(0), kc.stride(1),
+            vc.stride(0), vc.stride(1), rope.cos_sin.stride(0))
+
+
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            rope: QkvRope | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
-    returns ``(y, new_residual)`` (the latter only for mode 1 with a residual)."""
+    returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). With ``rope``
+    ``y`` is the rotated q ``[M, Hq, D]`` and k, v went to the cache."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -229,19 +371,29 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             residual = residual.contiguous()
         new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps = config or pick_config(m, n, k)
+    q_out = None
+    rope_consts = {}
+    if rope is not None:
+        hq, hkv, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
+        assert n == (hq + 2 * hkv) * d and hq + hkv <= MAX_ROPE_HEADS
+        assert rope_fits(rope, (bm, bn, bk, warps)) and rope.k_cache.shape[1] == PAGE_SIZE
+        q_out = torch.empty(m, hq, d, dtype=x.dtype, device=x.device)
+        rope_consts = dict(ROPE=True, HQ=hq, HKV=hkv, HEAD_DIM=d, PAGE=PAGE_SIZE,
+                           HAS_QK_NORM=rope.q_norm_weight is not None)
     chunks = triton.cdiv(k, bk)
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
         bias if bias is not None else weight, y, m, n, eps,
-        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0), K=k,
+        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),
+        *_rope_args(rope, x, q_out), K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
         CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
-        **pdl.LAUNCH,
+        **rope_consts, **pdl.LAUNCH,
     )
-    return y, new_res
+    return (y if q_out is None else q_out), new_res
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -265,6 +417,21 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     assert 0 < x.shape[0] <= MAX_M
     y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps)
     return y, (x if new_res is None else new_res)
+
+
+def skinny_norm_linear_rope(x: torch.Tensor, residual: torch.Tensor | None,
+                            norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                            bias: torch.Tensor | None, config: tuple[int, int, int, int],
+                            rope: QkvRope) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`skinny_norm_linear` of the qkv projection, then the rotary kernel's work
+    (``QkvRope``) in the same launch; returns ``(q, new_residual)`` with the rotated q
+    ``[M, Hq, D]``; the rotated k and the v rows are in the cache. ``config`` must satisfy
+    :func:`rope_fits`. Results equal the separate projection and rotary kernel: the raw
+    projection is rounded to the model dtype before the norm and rotation, as there."""
+    assert 0 < x.shape[0] <= MAX_M
+    q, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps,
+                         rope=rope)
+    return q, (x if new_res is None else new_res)
 
 
 def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,

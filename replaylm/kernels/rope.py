@@ -1,6 +1,7 @@
 """Per-head RMSNorm (Qwen3's q/k norm) and neox rotary, as a Triton helper shared by the
-rotary kernel (``fused.rotary``) and decode attention that rotates its own q and new key
-(``attention.paged_attention(rope=...)``), so both round exactly as the torch path does."""
+rotary kernel (``fused.rotary``), the qkv projection that rotates its own output
+(``gemv.skinny_norm_linear_rope``) and decode attention that rotates its own q and new key
+(``attention.paged_attention(rope=...)``), so all three round exactly as the torch path does."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import triton.language as tl
 def norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     """Rotate heads given as halves ``x1``/``x2`` ``[R, HALF]`` (model dtype), optionally
     RMS-normalising each row first with weight halves ``w1``/``w2`` (fp32 ``[HALF]``).
-    ``cos``/``sin`` are fp32 ``[HALF]`` already rounded to the model dtype. Returns the
-    rotated halves in the model dtype. Intermediates are rounded where transformers' modules
+    ``cos``/``sin`` are fp32, already rounded to the model dtype, ``[1, HALF]`` (one position
+    for every row) or ``[R, HALF]`` (a position per row). Returns the rotated halves in the
+    model dtype. Intermediates are rounded where transformers' modules
     round them: the normalised value, its product with the weight, each rotary product."""
     dt = x1.dtype
     a = x1.to(tl.float32)
@@ -22,6 +24,6 @@ def norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.co
         rstd = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)
         a = ((a * rstd[:, None]).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
         b = ((b * rstd[:, None]).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
-    o1 = (a * cos[None, :]).to(dt).to(tl.float32) - (b * sin[None, :]).to(dt).to(tl.float32)
-    o2 = (b * cos[None, :]).to(dt).to(tl.float32) + (a * sin[None, :]).to(dt).to(tl.float32)
+    o1 = (a * cos).to(dt).to(tl.float32) - (b * sin).to(dt).to(tl.float32)
+    o2 = (b * cos).to(dt).to(tl.float32) + (a * sin).to(dt).to(tl.float32)
     return o1.to(dt), o2.to(dt)

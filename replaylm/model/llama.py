@@ -65,10 +65,19 @@ class DecoderLayer(nn.Module):
         ``self.kernels`` (CUDA) or ``ops`` (torch) supply the ops, with the same signatures."""
         cfg = self.cfg
         kops = self.kernels
-        qkv, residual = (kops or ops).norm_linear(
-            hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps,
-            self.qkv_proj.weight, self.qkv_proj.bias,
-        )
+        norm_args = (hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps,
+                     self.qkv_proj.weight, self.qkv_proj.bias)
+        if kops and not defer_rope:
+            # The rotary kernel's work (q/k norm, rotary, KV write) after the projection, or
+            # at a few rows inside the projection's own launch (REPLAYLM_ROPE_IN_QKV=1).
+            return kops.norm_linear_rope(*norm_args, kops.QkvRope(
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                positions=positions, cos_sin=cos_sin, k_cache=kv_cache[0], v_cache=kv_cache[1],
+                slot_mapping=slot_mapping,
+                q_norm_weight=self.q_norm.weight if cfg.qk_norm else None,
+                k_norm_weight=self.k_norm.weight if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
+            ))
+        qkv, residual = (kops or ops).norm_linear(*norm_args)
         if defer_rope:
             return qkv, residual
         t = qkv.shape[0]
@@ -76,15 +85,6 @@ class DecoderLayer(nn.Module):
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if kops:  # one kernel: q/k norm, rotary and the KV write
-            q, _ = kops.rotary(
-                q, k, positions, cos_sin,
-                q_norm_weight=self.q_norm.weight if cfg.qk_norm else None,
-                k_norm_weight=self.k_norm.weight if cfg.qk_norm else None,
-                eps=cfg.rms_norm_eps, v=v, k_cache=kv_cache[0], v_cache=kv_cache[1],
-                slot_mapping=slot_mapping,
-            )
-            return q, residual
         if cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)

@@ -297,6 +297,62 @@ def test_fused_prologue_linear_gpu(m, n, k):
     assert ("silu", m, n, k, x.dtype, False) in gemv.LINEAR_CHOICES
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("shape", ["qwen3", "qwen2"])  # q/k norm; bias without q/k norm
+def test_norm_linear_rope_gpu(m, shape):
+    """The qkv projection doing the rotary work in its own launch equals, to the bit, the same
+    projection tile followed by the rotary kernel (q, k cache, v cache), eagerly and in
+    repeated CUDA graph replays (the per-head arrival counts reset themselves)."""
+    from replaylm.kernels import gemv
+
+    hq, hkv, d, hidden = (16, 8, 128, 1024) if shape == "qwen3" else (14, 2, 64, 896)
+    dt = torch.bfloat16
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x, res = (torch.randn(m, hidden, device=DEV, dtype=dt, generator=g) for _ in range(2))
+    nw = torch.rand(hidden, device=DEV, dtype=dt, generator=g) + 0.5
+    w = torch.randn((hq + 2 * hkv) * d, hidden, device=DEV, dtype=dt, generator=g) * 0.03
+    b = torch.randn(w.shape[0], device=DEV, dtype=dt, generator=g) if shape == "qwen2" else None
+    norms = {}
+    if shape == "qwen3":
+        norms = dict(q_norm_weight=torch.rand(d, device=DEV, dtype=dt, generator=g) + 0.5,
+                     k_norm_weight=torch.rand(d, device=DEV, dtype=dt, generator=g) + 0.5)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    freqs = torch.outer(torch.arange(4096, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    positions = torch.randint(0, 4096, (m,), device=DEV, generator=g)
+    slots = torch.randperm(8 * BLOCK_SIZE, device=DEV, generator=g)[:m]
+    slots[m // 2] = -1
+    caches = [torch.zeros(8, BLOCK_SIZE, hkv, d, device=DEV, dtype=dt) for _ in range(4)]
+    rope = gemv.QkvRope(num_heads=hq, num_kv_heads=hkv, head_dim=d, positions=positions,
+                        cos_sin=cos_sin, k_cache=caches[0], v_cache=caches[1],
+                        slot_mapping=slots, eps=1e-6, **norms)
+    bm = triton.next_power_of_2(m)
+    for cfg in ((bm, 4, 1024, 4), (bm, 8, 512, 4), (bm, 16, 256, 8)):
+        qkv, ref_res = gemv.skinny_norm_linear(x, res, nw, 1e-6, w, b, config=cfg)
+        q_ref, _ = fused.rotary(
+            qkv[:, :hq * d].view(m, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(m, hkv, d),
+            positions, cos_sin, eps=1e-6, v=qkv[:, (hq + hkv) * d:].view(m, hkv, d),
+            k_cache=caches[2], v_cache=caches[3], slot_mapping=slots, **norms)
+        for c in caches[:2]:
+            c.zero_()
+        q, new_res = gemv.skinny_norm_linear_rope(x, res, nw, 1e-6, w, b, cfg, rope)
+        assert torch.equal(new_res, ref_res) and torch.equal(q, q_ref)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            q_g, _ = gemv.skinny_norm_linear_rope(x, res, nw, 1e-6, w, b, cfg, rope)
+        for _ in range(3):
+            for c in caches[:2]:
+                c.zero_()
+            q_g.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(q_g, q_ref) and torch.equal(caches[0], caches[2])
+            assert torch.equal(caches[1], caches[3])
+        graph.reset()
+    assert not gemv._head_counters(DEV).any()
+
+
 def test_argmax_rows_gpu():
     """The one-launch argmax equals torch.argmax on the device: first index on ties, NaN
     wins; repeated launches reuse the arrival counters."""
