@@ -66,6 +66,7 @@ def _setup(seed: int = 0):
                                generator=g).tolist()
         state.set(slot, params, prompt, output, eos_token_ids=(1,))
         rows.append((slot, params, prompt, output))
+    state.flush()
     return g, state, rows
 
 
@@ -105,6 +106,7 @@ def test_reused_slot_is_reset_and_plain_slots_are_inactive() -> None:
     plain = SamplingParams()
     for slot, *_ in rows:
         state.set(slot, plain, [1, 2], [], eos_token_ids=(1,))
+    state.flush()
     assert not state.active(list(range(len(rows))))
     logits = torch.randn(len(rows), V)
     slots = torch.arange(len(rows))

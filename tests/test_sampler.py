@@ -22,6 +22,7 @@ def _state(rows: list[tuple[SamplingParams, int]], device: torch.device = CPU) -
     state = SamplingState(max(len(rows), 1) + 2, device)
     for slot, (params, seed) in enumerate(rows):
         state.set(slot, params, seed)
+    state.flush()
     return state
 
 
@@ -105,6 +106,7 @@ def test_seeded_row_is_batch_invariant() -> None:
 
     state = SamplingState(16, CPU)
     state.set(0, params, seed)
+    state.flush()
     alone = sample(target[None], torch.tensor([0]), torch.tensor([pos]), state)
 
     for trial in range(5):
@@ -117,6 +119,7 @@ def test_seeded_row_is_batch_invariant() -> None:
         slots = torch.randint(6, 16, (batch,))
         for s in range(6, 16):
             state.set(s, SamplingParams(temperature=0.5 + trial, top_p=0.8), 1000 + s + trial)
+        state.flush()
         slots[row] = slot
         out_pos = torch.randint(0, 1000, (batch,))
         out_pos[row] = pos
@@ -321,6 +324,9 @@ def test_host_mirrors() -> None:
     assert state.all_greedy([0]) and not state.all_greedy([0, 1])
     assert not state.needs_filter([0, 1])
     assert state.needs_filter([1, 2]) and state.needs_filter([3])
+    # The device rows change only at the flush (one copy per settings matrix).
+    assert state.top_k[3] == 0 and state.temperature[1] == 0
+    state.flush()
     assert state.top_k[2] == 0 and state.top_k[3] == 20 and state.top_p[2] == pytest.approx(0.9)
     state.set(3, SamplingParams(temperature=0.0), 4)  # slot reuse overwrites the mirrors
     assert state.all_greedy([0, 3]) and not state.needs_filter([3])
@@ -458,3 +464,23 @@ def test_argmax_rows_matches_argmax_with_ties():
         x = torch.randint(0, 30, (4, vocab), generator=g).float()  # many ties per row
         assert torch.equal(argmax_rows(x), x.argmax(-1))
         assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(-1))
+
+
+def test_slot_columns_reach_the_device_at_flush() -> None:
+    """Per-slot settings are written on the host and copied at ``flush``, into rows whose
+    storage never moves (graphs captured their addresses)."""
+    from replaylm.sampling.slots import SlotColumns
+
+    cols = SlotColumns(4, CPU, {"a": (torch.float32, 1.0), "b": (torch.int64, 7),
+                                "c": (torch.float32, -1.0)})
+    a, b = cols.columns["a"], cols.columns["b"]
+    ptrs = (a.data_ptr(), b.data_ptr())
+    assert a.tolist() == [1.0] * 4 and b.tolist() == [7] * 4
+    cols.set(2, a=0.5, b=3)
+    assert a[2] == 1.0 and b[2] == 7  # not yet on the device
+    cols.flush()
+    assert a.tolist() == [1.0, 1.0, 0.5, 1.0] and b.tolist() == [7, 7, 3, 7]
+    assert cols.columns["c"].tolist() == [-1.0] * 4
+    assert (a.data_ptr(), b.data_ptr()) == ptrs
+    with pytest.raises(IndexError, match="slot 4"):
+        cols.set(4, a=0.0)

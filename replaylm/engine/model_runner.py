@@ -294,6 +294,7 @@ class ModelRunner:
             on_launch()
         for req in out.newly_slotted:
             self.admit(req)
+        self.sampler.flush()
         self.buffers.update_block_tables(host)
         plan = plan_prompt_logprobs(out, self.device)
         if plan is None:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from replaylm.sampling.slots import SlotColumns
 from replaylm.sampling_params import SamplingParams
 
 
@@ -70,12 +71,15 @@ class LogitsProcessorState:
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.presence = torch.zeros(max_num_seqs, **f32)
-        self.frequency = torch.zeros(max_num_seqs, **f32)
-        self.repetition = torch.ones(max_num_seqs, **f32)
-        self.log_min_p = torch.full((max_num_seqs,), -math.inf, **f32)
-        self.min_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        f32 = torch.float32
+        self.slots = SlotColumns(max_num_seqs, self.device, {
+            "presence": (f32, 0.0), "frequency": (f32, 0.0), "repetition": (f32, 1.0),
+            "log_min_p": (f32, -math.inf), "min_tokens": (torch.int64, 0),
+        })
+        cols = self.slots.columns
+        self.presence, self.frequency = cols["presence"], cols["frequency"]
+        self.repetition, self.log_min_p = cols["repetition"], cols["log_min_p"]
+        self.min_tokens = cols["min_tokens"]
         self.bias = SparseTable(max_num_seqs, self.device)
         self.stop_ids = SparseTable(max_num_seqs, self.device)  # values unused (mask ids)
         # Allocated on first use (see the module docstring).
@@ -99,11 +103,11 @@ class LogitsProcessorState:
         self._min_p[slot] = params.min_p > 0.0
         self._bias[slot] = bool(params.logit_bias)
         self._min_tokens[slot] = params.min_tokens > 0
-        self.presence[slot] = params.presence_penalty
-        self.frequency[slot] = params.frequency_penalty
-        self.repetition[slot] = params.repetition_penalty
-        self.log_min_p[slot] = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
-        self.min_tokens[slot] = params.min_tokens
+        self.slots.set(
+            slot, presence=params.presence_penalty, frequency=params.frequency_penalty,
+            repetition=params.repetition_penalty, min_tokens=params.min_tokens,
+            log_min_p=math.log(params.min_p) if params.min_p > 0.0 else -math.inf,
+        )
         # Rewrite a sparse row only when the old or the new request has entries: admission of
         # plain requests into clean slots then costs no copies.
         bias = [(t, b) for t, b in (params.logit_bias or {}).items() if t < self.vocab_size]
@@ -121,6 +125,10 @@ class LogitsProcessorState:
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
         if self.output_counts is not None:
             self._write_stats(slot, prompt_ids, output_ids, params.uses_penalties)
+
+    def flush(self) -> None:
+        """Send the settings written since the last flush to the device."""
+        self.slots.flush()
 
     def _write_stats(self, slot: int, prompt_ids: list[int], output_ids: list[int],
                      used: bool) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from replaylm.sampling.slots import SlotColumns
 from replaylm.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -119,8 +120,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 class SamplingState:
     """Persistent per-slot device tensors (one row per request slot, ``max_num_seqs`` rows).
 
-    ``set`` is the only writer: it also fills a derived key tensor and host-side mirrors, so
-    the runner can decide the fast paths without reading the device. Tensors are allocated once
+    ``set`` is the only writer (host side; ``flush`` sends it, ``SlotColumns``): it also fills
+    a derived key tensor and host-side mirrors, so the runner can decide the fast paths
+    without reading the device. Tensors are allocated once
     and updated in place, so CUDA graphs that captured their addresses stay valid.
     """
 
@@ -128,36 +130,37 @@ class SamplingState:
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         # Slots start greedy and unfiltered: a padded row pointing at an unused slot is cheap
-        # and harmless.
-        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32, device=self.device)
-        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32, device=self.device)
-        self.seed = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
-        # seed -> 32-bit key, precomputed on the host so each step skips two mixer rounds.
-        self.seed_key = torch.full(
-            (max_num_seqs,), seed_key(0), dtype=torch.int64, device=self.device
-        )
+        # and harmless. seed_key: the seed's 32-bit key, precomputed on the host so each step
+        # skips two mixer rounds.
+        f32, i64 = torch.float32, torch.int64
+        self.slots = SlotColumns(max_num_seqs, self.device, {
+            "temperature": (f32, 0.0), "top_p": (f32, 1.0), "top_k": (i64, 0),
+            "seed": (i64, 0), "seed_key": (i64, seed_key(0)),
+        })
+        cols = self.slots.columns
+        self.temperature, self.top_p, self.top_k = cols["temperature"], cols["top_p"], cols["top_k"]
+        self.seed, self.seed_key = cols["seed"], cols["seed_key"]
         self._temperature_host = [0.0] * max_num_seqs
         self._top_k_host = [0] * max_num_seqs
         self._top_p_host = [1.0] * max_num_seqs
         self._vocab_hash: dict[int, torch.Tensor] = {}
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """Write one slot's settings (runs on admission, outside any graph)."""
-        if not 0 <= slot < self.max_num_seqs:
-            raise IndexError(f"slot {slot} out of range [0, {self.max_num_seqs})")
+        """Write one slot's settings (runs on admission, outside any graph); they reach the
+        device at the next ``flush``."""
         top_k = params.top_k if params.top_k > 0 else 0
         # Wrap into int64's range: SamplingParams allows [0, 2**63), a runner may pass more.
         seed64 = seed & ((1 << 64) - 1)
         seed_i64 = seed64 - (1 << 64) if seed64 >= 1 << 63 else seed64
-        self.temperature[slot] = params.temperature
-        self.top_k[slot] = top_k
-        self.top_p[slot] = params.top_p
-        self.seed[slot] = seed_i64
-        self.seed_key[slot] = seed_key(seed64)
+        self.slots.set(slot, temperature=params.temperature, top_k=top_k, top_p=params.top_p,
+                       seed=seed_i64, seed_key=seed_key(seed64))
         self._temperature_host[slot] = params.temperature
         self._top_k_host[slot] = top_k
         self._top_p_host[slot] = params.top_p
+
+    def flush(self) -> None:
+        """Send the settings written since the last flush to the device."""
+        self.slots.flush()
 
     def needs_filter(self, slots: list[int]) -> bool:
         """Whether any non-greedy slot among ``slots`` uses top-k or top-p (host-side)."""

@@ -87,12 +87,19 @@ class StepSampler:
         self._flip = 0
 
     def admit(self, req: Any) -> None:
-        """Write a newly slotted request's settings into its slot (outside any graph)."""
+        """Write a newly slotted request's settings into its slot (outside any graph); the
+        per-slot scalars reach the device at ``flush``."""
         p = req.sampling_params
         self.state.set(req.slot, p, req.seed)
         self.procs.set(req.slot, p, req.prompt_token_ids, req.output_token_ids,
                        () if p.ignore_eos else req.eos_token_ids)
         self._logprobs_k[req.slot] = p.logprobs
+
+    def flush(self) -> None:
+        """Send the settings of the requests admitted since the last flush to the device, one
+        copy per settings matrix (before the step that first samples them)."""
+        self.state.flush()
+        self.procs.flush()
 
     def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
             slots_cpu: list[int], plan: PromptLogprobPlan | None,
