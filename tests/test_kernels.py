@@ -175,7 +175,7 @@ def test_split_kv(kernels, hq, hkv, splits):
         check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg,
                             min_split_keys=16), q, kc, vc, meta)
         assert not kernels.attn._split_counters(q.device).any()
-    # With the default minimum split length these contexts need one or two splits.
+    # With the default minimum split length (64 keys) these contexts take one to four splits.
     check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=splits, config=cfg), q, kc, vc,
                meta)
 
@@ -226,6 +226,14 @@ def test_split_choice_is_host_only(kernels):
     assert pick(q, num_reqs=1, num_kv_heads=8, max_q_len=1, max_kv_len=32768, block_n=64) > 1
     assert pick(q, num_reqs=64, num_kv_heads=8, max_q_len=1, max_kv_len=32768, block_n=64) == 1
     assert pick(q, num_reqs=1, num_kv_heads=8, max_q_len=512, max_kv_len=32768, block_n=64) == 1
+    # Few (request, KV head) pairs: the latency tile (64-key blocks, one stage); many: the
+    # bandwidth tile. Both from host-known sizes only.
+    attn = kernels.attn
+    assert attn.few_programs(q, 1, 8) and not attn.few_programs(q, 64, 8)
+    latency = attn.pick_config(1, 2, 128, latency_bound=True)
+    assert (latency.block_n, latency.num_stages) == (64, 1)
+    assert attn.pick_config(1, 2, 128).block_n == 128
+    assert attn.pick_config(512, 2, 128, latency_bound=True) == attn.pick_config(512, 2, 128)
 
 
 def test_backend_forward_and_warmup(kernels):

@@ -52,7 +52,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_lens = torch.tensor([n], device=device, dtype=torch.int32)
         configs: dict[attn_kernels.AttnConfig, int] = {}
         for q_len in (1, 2, 4, 8, 16, 32, 64, 128, 4096):
-            configs.setdefault(attn_kernels.pick_config(q_len, g_pad, head_dim), q_len)
+            for few in (False, True):  # bandwidth- and latency-bound decode tiles
+                configs.setdefault(attn_kernels.pick_config(q_len, g_pad, head_dim, few), q_len)
         for cfg, q_len in configs.items():
             t = min(q_len, n)
             q = torch.randn(t, num_heads, head_dim, device=device, dtype=dtype)

@@ -47,8 +47,9 @@ from replaylm.kernels.rope import norm_rope
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # upper bound on the split-KV axis
 #: Fewest keys a split takes: below it, merging partials costs more than it saves, so short
-#: contexts run as one split (no merge) even when the grid has more.
-MIN_SPLIT_KEYS = 256
+#: contexts run as one split (no merge) even when the grid has more. 64 measured best at
+#: batch 1 (contexts 64-288, ``docs/results/session5/run5``); 256 cost 1-3 µs per launch.
+MIN_SPLIT_KEYS = 64
 #: Merge counters per device: split-KV runs only while requests x KV heads < SM count and
 #: queries are <= 16 per request, so tiles x KV heads stays far below this.
 MAX_SPLIT_TILES = 8192
@@ -332,21 +333,35 @@ def group_pad(num_heads: int, num_kv_heads: int) -> int:
     return _next_pow2(num_heads // num_kv_heads)
 
 
-def pick_config(max_q_len: int, g_pad: int, head_dim: int) -> AttnConfig:
+def pick_config(max_q_len: int, g_pad: int, head_dim: int, latency_bound: bool = False,
+                ) -> AttnConfig:
     """Tile configuration from host-known bounds only (deterministic for a graph tier).
 
     Decode / verify launches (a few tokens per request) take a short tile so no work is
-    wasted on absent query rows, and long key blocks so each program keeps plenty of K/V
-    bytes in flight (memory bound). Larger launches take the prefill tile. The numbers come
-    from a sweep on an H200 (``python -m replaylm.bench.kernels --sweep``): 128-key blocks
-    with 4 warps read at ~4.3 TB/s; 64x64 tiles with 4 warps, 2 stages gave the best causal
-    prefill.
+    wasted on absent query rows. With many (request, KV head) pairs they are memory bound
+    and take long key blocks, so each program keeps plenty of K/V bytes in flight; with
+    fewer pairs than SMs (``latency_bound``, see :func:`few_programs`) they take 64-key
+    blocks with one stage, and split-KV spreads the context over more programs.
+    Larger launches take the prefill tile. The numbers come from sweeps on an H200
+    (``python -m replaylm.bench.kernels --sweep``): 128-key blocks with 4 warps read at
+    ~4.3 TB/s; 64x64 tiles with 4 warps, 2 stages gave the best causal prefill; at batch 1
+    (Qwen3-0.6B heads, contexts 64-288) 64-key blocks, 1 stage, 64-key splits averaged 5.2
+    µs against 7.7 µs for the 128-key, 2-stage tile with 256-key splits (session 5, run 5).
     """
     small_m = max(16, g_pad * _next_pow2(max(1, max_q_len)))
     if small_m <= 64:
+        if latency_bound:
+            return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=1)
         return AttnConfig(block_m=small_m, block_n=128 if head_dim <= 128 else 64, num_warps=4,
                           num_stages=2)
     return AttnConfig(block_m=max(64, g_pad), block_n=64, num_warps=4, num_stages=2)
+
+
+def few_programs(q: torch.Tensor, num_reqs: int, num_kv_heads: int) -> bool:
+    """Whether a launch has fewer (request slot, KV head) pairs than the device has SMs, so
+    one program per pair would leave SMs idle: latency, not bandwidth, bounds it."""
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    return num_reqs * num_kv_heads < sms
 
 
 @cache
@@ -366,12 +381,10 @@ def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len
                     max_kv_len: int, block_n: int) -> int:
     """Split-KV factor from host-known sizes: split only when few (request, KV head) pairs
     would leave most SMs idle over a long context. Deterministic for fixed tier bounds."""
-    if max_q_len > 16 or max_kv_len < 2 * block_n:
+    if max_q_len > 16 or max_kv_len < 2 * block_n or not few_programs(q, num_reqs, num_kv_heads):
         return 1
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     programs = max(1, num_reqs * num_kv_heads)
-    if programs >= sms:
-        return 1
     splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs),
                  triton.cdiv(max_kv_len, max(2 * block_n, MIN_SPLIT_KEYS)))
     return max(1, splits)
@@ -415,7 +428,8 @@ def paged_attention(
         raise ValueError(f"Triton attention needs a power-of-two head_dim >= 16, got {head_dim}")
     group = num_heads // num_kv_heads
     g_pad = _next_pow2(group)
-    cfg = config or pick_config(max_q_len, g_pad, head_dim)
+    cfg = config or pick_config(max_q_len, g_pad, head_dim,
+                                few_programs(q, num_reqs, num_kv_heads))
     bq = cfg.block_m // g_pad
     if num_splits is None:
         num_splits = pick_num_splits(q, num_reqs, num_kv_heads, max_q_len, max_kv_len, cfg.block_n)
