@@ -46,10 +46,10 @@ from replaylm.kernels.rope import norm_rope
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # upper bound on the split-KV axis
-#: Fewest keys a split takes: below it, merging partials costs more than it saves, so short
-#: contexts run as one split (no merge) even when the grid has more. 64 measured best at
-#: batch 1 (contexts 64-288, ``docs/results/session5/run5``); 256 cost 1-3 µs per launch.
-MIN_SPLIT_KEYS = 64
+#: Fewest keys a split takes (the bandwidth tile's default; ``AttnConfig.min_split_keys``):
+#: below it, merging partials costs more than it saves, so short contexts run as one split
+#: (no merge) even when the grid has more. The latency tile merges from 64 keys.
+MIN_SPLIT_KEYS = 256
 #: Merge counters per device: split-KV runs only while requests x KV heads < SM count and
 #: queries are <= 16 per request, so tiles x KV heads stays far below this.
 MAX_SPLIT_TILES = 8192
@@ -322,6 +322,7 @@ class AttnConfig:
     block_n: int  # keys per inner iteration (a multiple of the 16-token page)
     num_warps: int
     num_stages: int
+    min_split_keys: int = MIN_SPLIT_KEYS  # fewest keys per split-KV range
 
 
 def _next_pow2(x: int) -> int:
@@ -339,19 +340,23 @@ def pick_config(max_q_len: int, g_pad: int, head_dim: int, latency_bound: bool =
 
     Decode / verify launches (a few tokens per request) take a short tile so no work is
     wasted on absent query rows. With many (request, KV head) pairs they are memory bound
-    and take long key blocks, so each program keeps plenty of K/V bytes in flight; with
-    fewer pairs than SMs (``latency_bound``, see :func:`few_programs`) they take 64-key
-    blocks with one stage, and split-KV spreads the context over more programs.
-    Larger launches take the prefill tile. The numbers come from sweeps on an H200
+    and take long key blocks, so each program keeps plenty of K/V bytes in flight. With
+    fewer pairs than SMs (``latency_bound``, see :func:`few_programs`) and 128-wide heads
+    they take the latency tile: 64-key blocks, one stage, and splits from 64 keys, so
+    split-KV spreads even a short context over more programs. Larger launches take the
+    prefill tile. The numbers come from sweeps on an H200
     (``python -m replaylm.bench.kernels --sweep``): 128-key blocks with 4 warps read at
-    ~4.3 TB/s; 64x64 tiles with 4 warps, 2 stages gave the best causal prefill; at batch 1
-    (Qwen3-0.6B heads, contexts 64-288) 64-key blocks, 1 stage, 64-key splits averaged 5.2
-    µs against 7.7 µs for the 128-key, 2-stage tile with 256-key splits (session 5, run 5).
+    ~4.3 TB/s; 64x64 tiles with 4 warps, 2 stages gave the best causal prefill. At batch 1
+    (Qwen3-0.6B heads, contexts 64-288) the latency tile averaged 5.2 µs against 7.7 µs
+    (session 5, run 5), and the model went from 1,210.5 to 1,275.7 tok/s (run 7); with
+    Llama-3.2-1B's 64-wide heads the model went from 1,053.6 to 1,040.7, so narrower heads
+    keep the bandwidth tile.
     """
     small_m = max(16, g_pad * _next_pow2(max(1, max_q_len)))
     if small_m <= 64:
-        if latency_bound:
-            return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=1)
+        if latency_bound and head_dim >= 128:
+            return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=1,
+                              min_split_keys=64)
         return AttnConfig(block_m=small_m, block_n=128 if head_dim <= 128 else 64, num_warps=4,
                           num_stages=2)
     return AttnConfig(block_m=max(64, g_pad), block_n=64, num_warps=4, num_stages=2)
@@ -378,7 +383,7 @@ def _sm_count(device_index: int) -> int:
 
 
 def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len: int,
-                    max_kv_len: int, block_n: int) -> int:
+                    max_kv_len: int, block_n: int, min_split_keys: int = MIN_SPLIT_KEYS) -> int:
     """Split-KV factor from host-known sizes: split only when few (request, KV head) pairs
     would leave most SMs idle over a long context. Deterministic for fixed tier bounds."""
     if max_q_len > 16 or max_kv_len < 2 * block_n or not few_programs(q, num_reqs, num_kv_heads):
@@ -386,7 +391,7 @@ def pick_num_splits(q: torch.Tensor, num_reqs: int, num_kv_heads: int, max_q_len
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     programs = max(1, num_reqs * num_kv_heads)
     splits = min(MAX_SPLITS, triton.cdiv(2 * sms, programs),
-                 triton.cdiv(max_kv_len, max(2 * block_n, MIN_SPLIT_KEYS)))
+                 triton.cdiv(max_kv_len, max(2 * block_n, min_split_keys)))
     return max(1, splits)
 
 
@@ -402,7 +407,7 @@ def paged_attention(
     max_q_len: int,
     max_kv_len: int,
     num_splits: int | None = None,
-    min_split_keys: int = MIN_SPLIT_KEYS,
+    min_split_keys: int | None = None,
     config: AttnConfig | None = None,
     out: torch.Tensor | None = None,
     rope: RopeInputs | None = None,
@@ -414,8 +419,8 @@ def paged_attention(
     ``block_table`` ``[S, max_blocks]`` int32, all on the device. ``max_q_len`` /
     ``max_kv_len`` are host upper bounds; they pick the kernel variant and the split count
     (``num_splits`` overrides the latter), never the grid's request lookup. A split takes at
-    least ``min_split_keys`` keys (a multiple of the key block), so a short context is one
-    split however many the grid has. With ``rope`` (decode steps, ``max_q_len == 1``) the
+    least ``min_split_keys`` keys (a multiple of the key block; default the tile's own), so a
+    short context is one split however many the grid has. With ``rope`` (decode steps, ``max_q_len == 1``) the
     launch also does the rotary kernel's work (``RopeInputs``). Rows of padded tokens come
     back as zeros. No host sync.
     """
@@ -431,8 +436,11 @@ def paged_attention(
     cfg = config or pick_config(max_q_len, g_pad, head_dim,
                                 few_programs(q, num_reqs, num_kv_heads))
     bq = cfg.block_m // g_pad
+    if min_split_keys is None:
+        min_split_keys = cfg.min_split_keys
     if num_splits is None:
-        num_splits = pick_num_splits(q, num_reqs, num_kv_heads, max_q_len, max_kv_len, cfg.block_n)
+        num_splits = pick_num_splits(q, num_reqs, num_kv_heads, max_q_len, max_kv_len,
+                                     cfg.block_n, min_split_keys)
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
