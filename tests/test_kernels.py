@@ -441,15 +441,43 @@ def test_argmax(kernels, vocab):
         assert not kernels.argmax._counters(x.device).any()
 
 
-def test_model_rope_in_qkv(kernels, tiny_checkpoint, monkeypatch):
-    """The model with the fused kernels: on a decode step, the qkv projection's launch doing
-    the rotary work gives the same hidden states and cache as the rotary kernel after it. Off
-    CUDA the projection never picks the skinny kernel, so a tile config is forced here."""
+def _decode_step_both_ways(kernels, path, seed, choose):
+    """A tiny model with the fused kernels: prefill 19 tokens, then run the 20th token's
+    decode step twice from the same cache, after ``choose(model, False)`` and
+    ``choose(model, True)``; the two steps must give the same hidden states and caches, and
+    the new token's key must be in the cache. Returns the model."""
     from tests.model_helpers import bound_model, one_request_meta
 
-    _, path, _ = tiny_checkpoint
     model = bound_model(path, kernels.backend, num_blocks=8)
     model.use_fused_kernels(True)
+    assert model.layers[0].kernels is kernels.fused
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(seed))
+    results = []
+    with torch.inference_mode():
+        choose(model, True)
+        model(ids[:19], torch.arange(19), one_request_meta(0, 19, [3, 5]))  # prefill
+        saved = [(k.clone(), v.clone()) for k, v in model.kv_caches]
+        for option in (False, True):
+            for (k, v), (k0, v0) in zip(model.kv_caches, saved):
+                k.copy_(k0)
+                v.copy_(v0)
+            meta = one_request_meta(19, 1, [3, 5])
+            choose(model, option)
+            hidden = model(ids[19:], torch.tensor([19]), meta)
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in model.kv_caches]))
+    (h_off, caches_off), (h_on, caches_on) = results
+    torch.testing.assert_close(h_on, h_off)
+    for (k1, v1), (k2, v2) in zip(caches_on, caches_off):
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+        assert k1[5, 3].abs().sum() > 0  # the new token's key (position 19: block 5, slot 3)
+    return model
+
+
+def test_model_rope_in_qkv(kernels, tiny_checkpoint, monkeypatch):
+    """On a decode step, the qkv projection's launch doing the rotary work gives the same
+    hidden states and cache as the rotary kernel after it. Off CUDA the projection never
+    picks the skinny kernel, so a tile config is forced here."""
     fused = kernels.fused
     monkeypatch.setattr(fused, "_norm_config", lambda x, *_: (
         (triton.next_power_of_2(x.shape[0]), 8, 16, 4) if x.shape[0] <= 8 else None))
@@ -457,55 +485,24 @@ def test_model_rope_in_qkv(kernels, tiny_checkpoint, monkeypatch):
     real = kernels.gemv.skinny_norm_linear_rope
     monkeypatch.setattr(kernels.gemv, "skinny_norm_linear_rope",
                         lambda *a: calls.append(1) or real(*a))
-    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        model(ids[:19], torch.arange(19), one_request_meta(0, 19, [3, 5]))  # prefill
-        saved = [(k.clone(), v.clone()) for k, v in model.kv_caches]
-        results = []
-        for in_qkv in (False, True):
-            for (k, v), (k0, v0) in zip(model.kv_caches, saved):
-                k.copy_(k0)
-                v.copy_(v0)
-            monkeypatch.setattr(fused, "ROPE_IN_QKV", in_qkv)
-            hidden = model(ids[19:], torch.tensor([19]), one_request_meta(19, 1, [3, 5]))
-            results.append((hidden, [(k.clone(), v.clone()) for k, v in model.kv_caches]))
-    assert len(calls) == model.cfg.num_layers  # the decode step with ROPE_IN_QKV only
-    (h_sep, caches_sep), (h_fused, caches_fused) = results
-    torch.testing.assert_close(h_fused, h_sep)
-    for (k1, v1), (k2, v2) in zip(caches_fused, caches_sep):
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
-        assert k1[5, 3].abs().sum() > 0  # the new token's key (position 19: block 5, slot 3)
+
+    def choose(model, on):
+        calls.clear()
+        monkeypatch.setattr(fused, "ROPE_IN_QKV", on)
+
+    model = _decode_step_both_ways(kernels, tiny_checkpoint[1], 3, choose)
+    assert len(calls) == model.cfg.num_layers  # the last (decode) step ran fused, per layer
 
 
 def test_model_rope_in_attention(kernels, tiny_checkpoint):
-    """The model with the fused kernels: on a decode step, q/k norm, rotary and the KV write
-    inside the attention launch give the same hidden states and cache as the rotary kernel;
-    a prefill step (more than one new token) keeps the rotary kernel."""
-    from tests.model_helpers import bound_model, one_request_meta
+    """On a decode step, q/k norm, rotary and the KV write inside the attention launch give
+    the same hidden states and cache as the rotary kernel; a prefill step (more than one new
+    token) keeps the rotary kernel."""
+    from tests.model_helpers import one_request_meta
 
-    _, path, _ = tiny_checkpoint
-    model = bound_model(path, kernels.backend, num_blocks=8)
-    model.use_fused_kernels(True)
-    assert model.layers[0].kernels is kernels.fused
-    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        model.rope_in_attention = True
-        model(ids[:19], torch.arange(19), one_request_meta(0, 19, [3, 5]))  # prefill
-        saved = [(k.clone(), v.clone()) for k, v in model.kv_caches]
-        results = []
-        for fused in (False, True):
-            for (k, v), (k0, v0) in zip(model.kv_caches, saved):
-                k.copy_(k0)
-                v.copy_(v0)
-            model.rope_in_attention = fused
-            meta = one_request_meta(19, 1, [3, 5])
-            assert model._defer_rope(meta) == fused
-            hidden = model(ids[19:], torch.tensor([19]), meta)
-            results.append((hidden, [(k.clone(), v.clone()) for k, v in model.kv_caches]))
-    (h_sep, caches_sep), (h_fused, caches_fused) = results
-    torch.testing.assert_close(h_fused, h_sep)
-    for (k1, v1), (k2, v2) in zip(caches_fused, caches_sep):
-        torch.testing.assert_close(k1, k2)
-        torch.testing.assert_close(v1, v2)
-        assert k1[5, 3].abs().sum() > 0  # the new token's key (position 19: block 5, slot 3)
+    def choose(model, on):
+        model.rope_in_attention = on
+        assert not model._defer_rope(one_request_meta(0, 19, [3, 5]))  # prefill: never
+        assert model._defer_rope(one_request_meta(19, 1, [3, 5])) == on
+
+    _decode_step_both_ways(kernels, tiny_checkpoint[1], 2, choose)
