@@ -72,9 +72,10 @@ def bench_decode(pool: PagedPool, batch: int, ctx: int, **kw) -> dict:
     ms = _time_ms(fn)
     nbytes = 2 * batch * ctx * HKV * D * q.element_size()
     tbs = nbytes / (ms * 1e-3) / 1e12
-    block_n = (kw.get("config") or attn.pick_config(
-        1, attn.group_pad(HQ, HKV), D, attn.few_programs(q, batch, HKV))).block_n
-    splits = kw.get("num_splits") or attn.pick_num_splits(q, batch, HKV, 1, ctx, block_n)
+    cfg = kw.get("config") or attn.pick_config(1, attn.group_pad(HQ, HKV), D,
+                                               attn.few_programs(q, batch, HKV))
+    splits = kw.get("num_splits") or attn.pick_num_splits(
+        q, batch, HKV, 1, ctx, cfg.block_n, kw.get("min_split_keys") or cfg.min_split_keys)
     return {"batch": batch, "context": ctx, "us": ms * 1e3, "TB/s": tbs,
             "pct_of_ceiling": 100 * tbs / COPY_CEILING_TBS, "num_splits": splits,
             **({"config": str(kw["config"])} if kw.get("config") else {})}

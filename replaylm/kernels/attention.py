@@ -419,10 +419,10 @@ def paged_attention(
     ``block_table`` ``[S, max_blocks]`` int32, all on the device. ``max_q_len`` /
     ``max_kv_len`` are host upper bounds; they pick the kernel variant and the split count
     (``num_splits`` overrides the latter), never the grid's request lookup. A split takes at
-    least ``min_split_keys`` keys (a multiple of the key block; default the tile's own), so a
-    short context is one split however many the grid has. With ``rope`` (decode steps, ``max_q_len == 1``) the
-    launch also does the rotary kernel's work (``RopeInputs``). Rows of padded tokens come
-    back as zeros. No host sync.
+    least ``min_split_keys`` keys (a multiple of the key block; by default the tile's own), so
+    a short context is one split however many the grid has. With ``rope`` (decode steps,
+    ``max_q_len == 1``) the launch also does the rotary kernel's work (``RopeInputs``). Rows
+    of padded tokens come back as zeros. No host sync.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -328,6 +328,7 @@ def rotary(
 def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rmsnorm`` then ``linear``: two launches (one above ``MAX_M`` rows)."""
     normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), new_res
 
