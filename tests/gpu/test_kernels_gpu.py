@@ -25,39 +25,14 @@ if isinstance(triton.language.sum, InterpretedFunction):
 from replaylm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from replaylm.kernels import attention as attn  # noqa: E402
 from replaylm.kernels import fused  # noqa: E402
+from tests import attn_helpers  # noqa: E402
 
 DEV = torch.device("cuda")
 
 
-def make_batch(q_lens, kv_lens, *, hq, hkv, d, dtype, pad_tokens=0, pad_slots=0, seed=0):
-    """Front-packed padded batch over a randomly paged cache (block 0 = scratch)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per = [triton.cdiv(n, BLOCK_SIZE) for n in kv_lens]
-    num_blocks = 1 + sum(blocks_per)
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    s = len(q_lens) + pad_slots
-    block_table = torch.zeros(s, max(blocks_per), dtype=torch.int32)
-    for i, nb in enumerate(blocks_per):
-        block_table[i, :nb] = torch.tensor(perm[:nb], dtype=torch.int32)
-        perm = perm[nb:]
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype)
-    t_real = sum(q_lens)
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    cu += [t_real] * pad_slots
-    kv = list(kv_lens) + [0] * pad_slots
-    q = torch.randn(t_real + pad_tokens, hq, d, device=DEV, dtype=dtype)
-    meta = AttentionMetadata(
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
-        kv_lens=torch.tensor(kv, dtype=torch.int32, device=DEV),
-        block_table=block_table.to(DEV),
-        slot_mapping=torch.zeros(t_real + pad_tokens, dtype=torch.int64, device=DEV),
-        num_tokens=t_real + pad_tokens, num_reqs=s, max_q_len=max(q_lens),
-        max_kv_len=max(kv_lens), cu_seqlens_q_cpu=cu, kv_lens_cpu=kv,
-    )
-    return q, k_cache, v_cache, meta
+def make_batch(q_lens, kv_lens, **kw):
+    """``tests.attn_helpers.make_batch`` on the GPU."""
+    return attn_helpers.make_batch(q_lens, kv_lens, device=DEV, **kw)
 
 
 def check(out, q, kc, vc, meta, tol=2e-2):
