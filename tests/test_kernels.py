@@ -393,6 +393,20 @@ def test_skinny_norm_linear_rope(kernels, m, qk_norm, bias, bn):
     torch.testing.assert_close(caches[0], caches[2], rtol=1e-4, atol=1e-4)
 
 
+def test_tuning_digest_follows_kernels_not_host_code(kernels, monkeypatch):
+    """The disk cache of projection timings is keyed by a digest of the kernel sources and
+    tile candidates: a new candidate changes it, the host code around it does not count."""
+    gemv = kernels.gemv
+    gemv._kernels_revision.cache_clear()
+    first = gemv._kernels_revision()
+    gemv._kernels_revision.cache_clear()
+    assert gemv._kernels_revision() == first and len(first) == 12
+    monkeypatch.setitem(gemv.CANDIDATES, 1, gemv.CANDIDATES[1] + [(32, 128, 4)])
+    gemv._kernels_revision.cache_clear()
+    assert gemv._kernels_revision() != first
+    gemv._kernels_revision.cache_clear()
+
+
 @pytest.mark.parametrize("vocab", [1000, 3 * 4096 + 5])
 def test_argmax(kernels, vocab):
     """One-launch row argmax = torch.argmax: first index on ties (many per row, across

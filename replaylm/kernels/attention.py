@@ -42,7 +42,7 @@ import triton.language as tl
 from replaylm.attention.backend import BLOCK_SIZE
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
-from replaylm.kernels.rope import norm_rope
+from replaylm.kernels.rope import RotaryArgs, norm_rope
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # upper bound on the split-KV axis
@@ -294,24 +294,17 @@ def _merge_splits(part_o_ptr, part_ml_ptr, part_row, active, row_ok, offs_d,
     return acc, l_sum
 
 
-@dataclass(frozen=True)
-class RopeInputs:
+@dataclass(frozen=True, kw_only=True)
+class RopeInputs(RotaryArgs):
     """What ``fused.rotary`` would do before attention, done by the attention launch itself
     (decode steps: at most one new token per request). ``q`` is then the raw q projection;
     the kernel normalises (Qwen3's q/k norm) and rotates it, and the program that holds a
     request's newest key position normalises and rotates the new key and stores it and its
     value at ``slot_mapping``. ``k``/``v`` are the raw ``[T, Hkv, D]`` projections (any row
-    and head strides, contiguous last dim); ``cos_sin`` is the ``[max_pos, D]`` fp32 table of
-    ``model.config.rope_cos_sin``."""
+    and head strides, contiguous last dim)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm_weight: torch.Tensor | None = None
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ from replaylm.attention.backend import BLOCK_SIZE as PAGE_SIZE
 from replaylm.graphs.capture import gc_paused
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
-from replaylm.kernels.rope import norm_rope
+from replaylm.kernels.rope import RotaryArgs, norm_rope
 
 log = logging.getLogger(__name__)
 
@@ -294,25 +295,17 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
 
 
-@dataclass(frozen=True)
-class QkvRope:
+@dataclass(frozen=True, kw_only=True)
+class QkvRope(RotaryArgs):
     """What the rotary kernel (``fused.rotary``) does after the qkv projection, done by the
-    projection itself (``skinny_norm_linear_rope``): Qwen3's q/k norm (with the norm
-    weights), neox rotary at ``positions`` (``cos_sin``: the fp32 ``[max_pos, D]`` table of
-    ``model.config.rope_cos_sin``) and the KV-cache write of k and v at ``slot_mapping``
-    (slot < 0 skips). The projection's output columns are q | k | v heads of ``head_dim``."""
+    projection itself (``skinny_norm_linear_rope``). The projection's output columns are
+    q | k | v heads of ``head_dim``; k and v go to ``k_cache``/``v_cache``."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_norm_weight: torch.Tensor | None = None
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
 
 
 #: Arrival counters per head of the rotary epilogue, per device (zero between launches).
@@ -536,14 +529,16 @@ def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], o
 
 @functools.cache
 def _kernels_revision() -> str:
-    """A digest of the sources the timings depend on (this file, and the separate norm and
-    SiLU·mul kernels the fused prologues are timed against): an edited kernel invalidates the
-    decisions cached on disk."""
+    """A digest of what the timings depend on: the Triton sources of the skinny kernel and
+    of the separate norm and SiLU·mul kernels the fused prologues are timed against, and the
+    tile candidates. An edited kernel invalidates the decisions cached on disk; an edit of
+    host code or docs does not."""
     from replaylm.kernels import fused
 
-    digest = hashlib.sha1(Path(__file__).read_bytes())
-    for kernel in (fused._add_rmsnorm_kernel, fused._silu_mul_kernel):
-        digest.update(kernel.src.encode())
+    digest = hashlib.sha1(repr((CANDIDATES, MAX_UNROLL, MAX_M)).encode())
+    for kernel in (_weight_chunk, _input_chunk, _accumulate, _rope_epilogue, _skinny_kernel,
+                   fused._add_rmsnorm_kernel, fused._silu_mul_kernel):
+        digest.update(inspect.getsource(kernel.fn).encode())
     return digest.hexdigest()[:12]
 
 

@@ -5,8 +5,26 @@ rotary kernel (``fused.rotary``), the qkv projection that rotates its own output
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True, kw_only=True)
+class RotaryArgs:
+    """The rotary kernel's inputs besides the tensors it rotates, shared by the launches that
+    do its work themselves: neox rotary at ``positions`` (``cos_sin``: the fp32
+    ``[max_pos, D]`` table of ``model.config.rope_cos_sin``), Qwen3's q/k norm when the
+    norm weights are given, and the KV-cache write at ``slot_mapping`` (slot < 0 skips)."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 @triton.jit
