@@ -1,6 +1,6 @@
 """Attention kernel benchmark: decode bandwidth vs the HBM ceiling, prefill TFLOP/s vs SDPA.
 
-    python -m replaylm.bench.kernels [--json out.json] [--sweep]
+    python -m replaylm.bench.kernels [--json out.json] [--sweep | --latency]
 
 Decode: batch {1, 8, 64} x context {512, 4096, 32768}, Llama-3-8B heads (Hq=32, Hkv=8,
 D=128, bf16), one new token per request over a randomly paged cache. Reported as K/V bytes
@@ -14,6 +14,7 @@ GPU, not Python launch overhead — which is how the engine runs these kernels.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -141,13 +142,95 @@ def sweep(pool: PagedPool) -> dict:
     return out
 
 
+#: Head shapes of the batch-1 latency sweep: (name, Hq, Hkv, D).
+LATENCY_HEADS = (("qwen3-0.6b", 16, 8, 128), ("llama3.2-1b", 32, 8, 64))
+
+
+def latency_sweep(calls: int = 100, contexts: tuple[int, ...] = (64, 160, 288)) -> list[dict]:
+    """Batch-1 decode attention latency per tile config (µs per launch).
+
+    One CUDA graph holds ``calls`` launches, each over its own random blocks, so K/V come
+    from HBM as in a decode step (one layer's cache is read once per step) rather than from
+    L2; PDL chains the launches as in the engine. The grid: key block 32/64/128, warps
+    2/4/8, split minimum 64/128/256 keys, 1/2 stages, 16 splits (the decode tiers' grid).
+    Session 5 picked the latency tile from this sweep (``docs/benchmarks.md``, run 5).
+    """
+    rows = []
+    for name, hq, hkv, d in LATENCY_HEADS:
+        nb = triton.cdiv(max(contexts) + BLOCK_SIZE, BLOCK_SIZE)
+        pool_blocks = 1 + calls * nb
+        k = torch.randn(pool_blocks, BLOCK_SIZE, hkv, d, device="cuda", dtype=DTYPE)
+        v = torch.randn_like(k)
+        perm = (torch.randperm(pool_blocks - 1, device="cuda") + 1).to(torch.int32)
+        tables = [perm[i * nb:(i + 1) * nb].view(1, nb) for i in range(calls)]
+        q = torch.randn(1, hq, d, device="cuda", dtype=DTYPE)
+        cu = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
+        for ctx in contexts:
+            kv_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+            for bn, warps, min_split, stages in itertools.product(
+                    (32, 64, 128), (2, 4, 8), (64, 128, 256), (1, 2)):
+                if min_split < bn:
+                    continue
+                cfg = attn.AttnConfig(block_m=16, block_n=bn, num_warps=warps,
+                                      num_stages=stages)
+                fn = _decode_launch(q, k, v, cu, kv_lens, cfg, min_split)
+                rows.append(dict(heads=name, ctx=ctx, block_n=bn, warps=warps,
+                                 min_split=min_split, stages=stages,
+                                 us=round(_graph_us_per_call(fn, tables), 2)))
+    return rows
+
+
+def _decode_launch(q, k, v, cu, kv_lens, cfg: attn.AttnConfig, min_split: int):
+    """A one-argument decode attention launch (the block table varies) for the sweep."""
+    scale = q.shape[-1] ** -0.5
+
+    def fn(table: torch.Tensor) -> None:
+        attn.paged_attention(q, k, v, cu, kv_lens, table, scale, max_q_len=1, max_kv_len=4096,
+                             num_splits=16, min_split_keys=min_split, config=cfg)
+
+    return fn
+
+
+def _graph_us_per_call(fn, args: list, trials: int = 5) -> float:
+    """Device µs per ``fn(arg)`` call: all ``args`` captured in one graph, best replay."""
+    fn(args[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in args:
+            fn(a)
+    best = float("inf")
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(args))
+    graph.reset()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    ap.add_argument("--latency", action="store_true",
+                    help="only the batch-1 decode latency sweep (latency_sweep)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmark needs a CUDA device"
     torch.manual_seed(0)
+    if args.latency:
+        rows = latency_sweep()
+        for name, *_ in LATENCY_HEADS:
+            for ctx in sorted({r["ctx"] for r in rows}):
+                case = sorted((r for r in rows if r["heads"] == name and r["ctx"] == ctx),
+                              key=lambda r: r["us"])
+                print(f"{name} ctx {ctx}: best {case[:3]}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     pool = PagedPool(64 * 32768)
     copy = measured_copy_tbs()
     print(f"device: {torch.cuda.get_device_name()}  measured copy {copy:.2f} TB/s, "
