@@ -33,8 +33,8 @@ def norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.co
     RMS-normalising each row first with weight halves ``w1``/``w2`` (fp32 ``[HALF]``).
     ``cos``/``sin`` are fp32, already rounded to the model dtype, ``[1, HALF]`` (one position
     for every row) or ``[R, HALF]`` (a position per row). Returns the rotated halves in the
-    model dtype. Intermediates are rounded where transformers' modules
-    round them: the normalised value, its product with the weight, each rotary product."""
+    model dtype. Intermediates are rounded where transformers' modules round them: the
+    normalised value, its product with the weight, each rotary product."""
     dt = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)

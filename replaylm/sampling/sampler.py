@@ -122,8 +122,8 @@ class SamplingState:
 
     ``set`` is the only writer (host side; ``flush`` sends it, ``SlotColumns``): it also fills
     a derived key tensor and host-side mirrors, so the runner can decide the fast paths
-    without reading the device. Tensors are allocated once
-    and updated in place, so CUDA graphs that captured their addresses stay valid.
+    without reading the device. Tensors are allocated once and updated in place, so CUDA
+    graphs that captured their addresses stay valid.
     """
 
     def __init__(self, max_num_seqs: int, device: torch.device | str) -> None:
