@@ -443,6 +443,7 @@ def test_cuda_graph_replay_matches_eager_and_cpu() -> None:
 
     # New inputs copied into the captured buffers, including a new request in a slot.
     state_gpu.set(0, SamplingParams(temperature=0.0), 1)
+    state_gpu.flush()
     logits.copy_(torch.randn(batch, vocab, device=dev))
     out_pos.add_(1)
     graph.replay()
@@ -452,6 +453,7 @@ def test_cuda_graph_replay_matches_eager_and_cpu() -> None:
 
     # The hash is integer-exact, so CPU and CUDA agree up to rare fp near-ties.
     state_cpu.set(0, SamplingParams(temperature=0.0), 1)
+    state_cpu.flush()
     on_cpu = sample(logits.cpu(), slots.cpu(), out_pos.cpu(), state_cpu)
     assert (on_cpu == again.cpu()).float().mean() >= 0.75
 
