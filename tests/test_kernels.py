@@ -407,6 +407,24 @@ def test_tuning_digest_follows_kernels_not_host_code(kernels, monkeypatch):
     gemv._kernels_revision.cache_clear()
 
 
+def test_rotary_launch_shape_overrides(kernels):
+    """The rotary launch shape can be set (for latency sweeps): any power-of-two head group
+    and warp count gives the same result, a partly masked last group included."""
+    g = torch.Generator().manual_seed(9)
+    t, hq, hkv, d = 3, 6, 2, 32
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    positions = torch.tensor([0, 5, 31])
+    cos_sin = _rope_table(32, d)
+    ref = kernels.fused.rotary_ref(q, k, positions, cos_sin)
+    for hp, warps in ((1, 1), (2, 2), (4, 1), (8, 4)):
+        out = kernels.fused.rotary(q, k, positions, cos_sin, heads_per_program=hp,
+                                   num_warps=warps)
+        torch.testing.assert_close(out[0], ref[0])
+        torch.testing.assert_close(out[1], ref[1])
+    with pytest.raises(AssertionError, match="power of two"):
+        kernels.fused.rotary(q, k, positions, cos_sin, heads_per_program=3)
+
+
 @pytest.mark.parametrize("vocab", [1000, 3 * 4096 + 5])
 def test_argmax(kernels, vocab):
     """One-launch row argmax = torch.argmax: first index on ties (many per row, across

@@ -180,6 +180,48 @@ def latency_sweep(calls: int = 100, contexts: tuple[int, ...] = (64, 160, 288)) 
     return rows
 
 
+def rotary_latency_sweep(calls: int = 100) -> list[dict]:
+    """Batch-1 rotary launch latency (q/k norm where the model has it, rotary, KV write) per
+    launch shape: heads per program 1/2/4/8 × warps 1/2/4, ``calls`` launches per graph,
+    each writing its own cache slot."""
+    from replaylm.kernels import fused
+
+    rows = []
+    for name, hq, hkv, d in LATENCY_HEADS:
+        qkv = torch.randn(1, (hq + 2 * hkv) * d, device="cuda", dtype=DTYPE)
+        q = qkv[:, :hq * d].view(1, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(1, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(1, hkv, d)
+        caches = [torch.zeros(triton.cdiv(calls, BLOCK_SIZE), BLOCK_SIZE, hkv, d, device="cuda",
+                              dtype=DTYPE) for _ in range(2)]
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv)
+        norms = {}
+        if name.startswith("qwen3"):
+            norms = dict(q_norm_weight=torch.ones(d, device="cuda", dtype=DTYPE),
+                         k_norm_weight=torch.ones(d, device="cuda", dtype=DTYPE))
+        args = dict(positions=torch.tensor([300], device="cuda"),
+                    cos_sin=torch.cat([freqs.cos(), freqs.sin()], -1), v=v,
+                    k_cache=caches[0], v_cache=caches[1], **norms)
+        slots = [torch.tensor([i], device="cuda") for i in range(calls)]
+        for hp, warps in itertools.product((1, 2, 4, 8), (1, 2, 4)):
+            fn = _rotary_launch(fused.rotary, q, k, args, hp, warps)
+            rows.append(dict(heads=name, heads_per_program=hp, warps=warps,
+                             us=round(_graph_us_per_call(fn, slots), 2)))
+    return rows
+
+
+def _rotary_launch(rotary, q, k, args: dict, hp: int, warps: int):
+    """A one-argument rotary launch (the cache slot varies) for the sweep."""
+
+    def fn(slot: torch.Tensor) -> None:
+        rotary(q, k, args["positions"], args["cos_sin"], slot_mapping=slot,
+               heads_per_program=hp, num_warps=warps,
+               **{n: t for n, t in args.items() if n not in ("positions", "cos_sin")})
+
+    return fn
+
+
 def _decode_launch(q, k, v, cu, kv_lens, cfg: attn.AttnConfig, min_split: int):
     """A one-argument decode attention launch (the block table varies) for the sweep."""
     scale = q.shape[-1] ** -0.5
@@ -216,20 +258,23 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     ap.add_argument("--latency", action="store_true",
-                    help="only the batch-1 decode latency sweep (latency_sweep)")
+                    help="only the batch-1 latency sweeps: attention and rotary launch shapes")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmark needs a CUDA device"
     torch.manual_seed(0)
     if args.latency:
         rows = latency_sweep()
+        rotary_rows = rotary_latency_sweep()
         for name, *_ in LATENCY_HEADS:
             for ctx in sorted({r["ctx"] for r in rows}):
                 case = sorted((r for r in rows if r["heads"] == name and r["ctx"] == ctx),
                               key=lambda r: r["us"])
-                print(f"{name} ctx {ctx}: best {case[:3]}")
+                print(f"attention {name} ctx {ctx}: best {case[:3]}")
+            case = sorted((r for r in rotary_rows if r["heads"] == name), key=lambda r: r["us"])
+            print(f"rotary {name}: best {case[:3]}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump({"attention": rows, "rotary": rotary_rows}, f, indent=1)
         return
     pool = PagedPool(64 * 32768)
     copy = measured_copy_tbs()

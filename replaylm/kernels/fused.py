@@ -278,6 +278,8 @@ def rotary(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary (HF Llama ``rotate_half``) on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``.
 
@@ -287,6 +289,8 @@ def rotary(
     With ``k_cache``/``v_cache``/``slot_mapping`` (and ``v``) the rotated k and v are also
     stored into the paged cache (slot < 0 skips). Inputs may be strided views of the qkv
     output (contiguous last dim); returns fresh contiguous ``(q_out, k_out)``.
+    ``heads_per_program`` / ``num_warps`` override the launch shape (for latency sweeps,
+    ``replaylm.bench.kernels --latency``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -308,7 +312,8 @@ def rotary(
     kw = k_norm_weight if has_norm else cos_sin
     kc_strides = (kc.stride(0), kc.stride(1), kc.stride(2)) if write_kv else (0, 0, 0)
     vc_strides = (vc.stride(0), vc.stride(1), vc.stride(2)) if write_kv else (0, 0, 0)
-    hp = rotary_heads_per_program(num_tokens)
+    hp = heads_per_program or rotary_heads_per_program(num_tokens)
+    assert hp & (hp - 1) == 0, f"heads per program must be a power of two, got {hp}"
     groups = triton.cdiv(num_heads, hp) + triton.cdiv(num_kv_heads, hp)
     _rotary_kernel[(num_tokens, groups)](
         q, k, vv, positions, cos_sin, qw, kw, q_out, k_out, kc, vc, sm, num_tokens, eps,
@@ -317,7 +322,7 @@ def rotary(
         *kc_strides, *vc_strides,
         HQ=num_heads, HKV=num_kv_heads, HP=hp, HALF=head_dim // 2, HAS_NORM=has_norm,
         WRITE_KV=write_kv, PAGE=BLOCK_SIZE, USE_PDL=pdl.ENABLED,
-        num_warps=max(1, min(4, hp * head_dim // 256)), **pdl.LAUNCH,
+        num_warps=num_warps or max(1, min(4, hp * head_dim // 256)), **pdl.LAUNCH,
     )
     return q_out, k_out
 
