@@ -65,14 +65,15 @@ class TritonAttentionBackend(AttentionBackend):
                 )
                 if rope and q_len == 1:
                     norm = torch.ones(head_dim, device=device, dtype=dtype) if qk_norm else None
-                    rope = attn_kernels.RopeInputs(
+                    rope_inputs = attn_kernels.RopeInputs(
                         k=k[:1], v=k[:1], positions=kv_lens.long() - 1,
                         cos_sin=torch.zeros(n, head_dim, device=device),
                         slot_mapping=torch.tensor([BLOCK_SIZE], device=device),
                         q_norm_weight=norm, k_norm_weight=norm)
                     attn_kernels.paged_attention(
                         q, k_cache, v_cache, cu, kv_lens, block_table, head_dim**-0.5,
-                        max_q_len=1, max_kv_len=n, num_splits=splits, config=cfg, rope=rope,
+                        max_q_len=1, max_kv_len=n, num_splits=splits, config=cfg,
+                        rope=rope_inputs,
                     )
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -23,6 +23,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from replaylm.attention.backend import BLOCK_SIZE
 from replaylm.kernels import attention as attn
+from replaylm.kernels.gemv import graph_time_us
 
 COPY_CEILING_TBS = 4.23  # H200 device-to-device copy bandwidth
 HQ, HKV, D = 32, 8, 128
@@ -176,7 +177,7 @@ def latency_sweep(calls: int = 100, contexts: tuple[int, ...] = (64, 160, 288)) 
                 fn = _decode_launch(q, k, v, cu, kv_lens, cfg, min_split)
                 rows.append(dict(heads=name, ctx=ctx, block_n=bn, warps=warps,
                                  min_split=min_split, stages=stages,
-                                 us=round(_graph_us_per_call(fn, tables), 2)))
+                                 us=round(graph_time_us(fn, tables, reps=len(tables), trials=5), 2)))
     return rows
 
 
@@ -207,7 +208,7 @@ def rotary_latency_sweep(calls: int = 100) -> list[dict]:
         for hp, warps in itertools.product((1, 2, 4, 8), (1, 2, 4)):
             fn = _rotary_launch(fused.rotary, q, k, args, hp, warps)
             rows.append(dict(heads=name, heads_per_program=hp, warps=warps,
-                             us=round(_graph_us_per_call(fn, slots), 2)))
+                             us=round(graph_time_us(fn, slots, reps=len(slots), trials=5), 2)))
     return rows
 
 
@@ -231,26 +232,6 @@ def _decode_launch(q, k, v, cu, kv_lens, cfg: attn.AttnConfig, min_split: int):
                              num_splits=16, min_split_keys=min_split, config=cfg)
 
     return fn
-
-
-def _graph_us_per_call(fn, args: list, trials: int = 5) -> float:
-    """Device µs per ``fn(arg)`` call: all ``args`` captured in one graph, best replay."""
-    fn(args[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in args:
-            fn(a)
-    best = float("inf")
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(args))
-    graph.reset()
-    return best
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ from replaylm.kernels import gemv, pdl
 from replaylm.kernels.gemv import QkvRope, linear  # noqa: F401  (the layers' ops)
 from replaylm.kernels.pdl import wait_for_previous
 from replaylm.kernels.rope import norm_rope
+from replaylm.model.ops import split_qkv
 
 # --------------------------------------------------------------------------- references
 
@@ -391,13 +392,9 @@ def norm_linear_rope(
             return gemv.skinny_norm_linear_rope(x, residual, norm_weight, eps, weight, bias,
                                                 config, rope)
     qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
-    t, d = qkv.shape[0], rope.head_dim
-    q_size, kv_size = rope.num_heads * d, rope.num_kv_heads * d
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, _ = rotary(q.view(t, rope.num_heads, d), k.view(t, rope.num_kv_heads, d), rope.positions,
-                  rope.cos_sin, q_norm_weight=rope.q_norm_weight,
-                  k_norm_weight=rope.k_norm_weight, eps=rope.eps,
-                  v=v.view(t, rope.num_kv_heads, d), k_cache=rope.k_cache,
+    q, k, v = split_qkv(qkv, rope.num_heads, rope.num_kv_heads, rope.head_dim)
+    q, _ = rotary(q, k, rope.positions, rope.cos_sin, q_norm_weight=rope.q_norm_weight,
+                  k_norm_weight=rope.k_norm_weight, eps=rope.eps, v=v, k_cache=rope.k_cache,
                   v_cache=rope.v_cache, slot_mapping=rope.slot_mapping)
     return q, residual
 

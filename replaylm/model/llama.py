@@ -80,11 +80,7 @@ class DecoderLayer(nn.Module):
         qkv, residual = (kops or ops).norm_linear(*norm_args)
         if defer_rope:
             return qkv, residual
-        t = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = ops.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
@@ -179,17 +175,13 @@ class CausalLM(nn.Module):
 
         cfg, layer = self.cfg, self.layers[i]
         assert positions is not None, "rotary inside attention needs the positions"
-        t = q.shape[0]
-        q, k, v = q.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        kv_shape = (t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = ops.split_qkv(q, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         rope = RopeInputs(
-            k=k.view(kv_shape), v=v.view(kv_shape),
-            positions=positions, cos_sin=self.cos_sin, slot_mapping=meta.slot_mapping,
+            k=k, v=v, positions=positions, cos_sin=self.cos_sin, slot_mapping=meta.slot_mapping,
             q_norm_weight=layer.q_norm.weight if cfg.qk_norm else None,
             k_norm_weight=layer.k_norm.weight if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
         )
-        return self.attn.forward(q.view(t, cfg.num_heads, cfg.head_dim), k_cache, v_cache, meta,
-                                 self.scale, rope=rope)
+        return self.attn.forward(q, k_cache, v_cache, meta, self.scale, rope=rope)
 
     def _defer_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step's attention does the rotary work (host-known: a graph tier

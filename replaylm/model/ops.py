@@ -11,6 +11,17 @@ import torch
 import torch.nn.functional as F
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the fused qkv projection ``[T, (Hq + 2 Hkv) D]`` as q ``[T, Hq, D]``, k and v
+    ``[T, Hkv, D]``."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+            v.view(t, num_kv_heads, head_dim))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
