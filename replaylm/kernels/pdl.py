@@ -6,8 +6,9 @@ model's decode step (a Qwen3-0.6B step runs ~170 kernels of a few µs each). A k
 launched with PDL may be scheduled while its predecessor is still running; it must then call
 ``griddepcontrol.wait`` before it reads anything a previous kernel wrote. Our kernels:
 
-* do only dependency-free work before the wait (address math; the projection kernel also
-  starts loading its first weight chunk, as weights are never written);
+* do only dependency-free work before the wait: address math, and reads of what no kernel
+  of the step writes (the projection kernel's weight strip, attention's request lookup,
+  rotary's positions, table and norm weights);
 * wait in every program, before any early exit, so a kernel completes only after its
   predecessor did: the chain of waits orders each kernel after *all* earlier ones;
 * signal ``launch_dependents`` right after the wait, so at most the next kernel is staged
