@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from replaylm.bench.profile import kernel_busy_share, top_kernels
+from replaylm.bench.profile import chain_share, kernel_busy_share, top_kernels
 
 
 def _trace(tmp_path, spans):
@@ -22,3 +22,22 @@ def test_kernel_busy_share_merges_overlaps_and_ends_at_the_last_end(tmp_path):
     path = _trace(tmp_path, [("a", 0, 10), ("b", 20, 100), ("c", 50, 10)])
     assert kernel_busy_share(path) == round(110 / 120, 4)
     assert top_kernels(path, tokens=2) == [("b", 50.0, 0.5), ("a", 5.0, 0.5), ("c", 5.0, 0.5)]
+
+
+def test_chain_share_charges_each_kernel_what_it_adds_past_the_ones_before(tmp_path):
+    # A PDL chain: b starts inside a and ends 5 after it; c lies inside b (adds nothing);
+    # d follows a gap (the gap is idle, not charged). Shares sum to the busy time.
+    path = _trace(tmp_path, [("a", 0, 10), ("b", 4, 11), ("c", 6, 3), ("d", 30, 5),
+                             ("b", 33, 4)])
+    shares = chain_share(path, tokens=1)
+    assert shares == [("a", 10.0, 1.0), ("b", 7.0, 2.0), ("d", 5.0, 1.0), ("c", 0.0, 1.0)]
+    assert sum(us for _, us, _ in shares) == 10 + 5 + 5 + 2
+
+
+def test_chain_share_keeps_launch_shapes_apart(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "k", "ts": ts, "dur": 5,
+               "args": {"grid": grid}} for ts, grid in ((0, [4, 1, 1]), (10, [8, 1, 1]))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert chain_share(str(path), tokens=1) == [("k [4, 1, 1]", 5.0, 1.0),
+                                                ("k [8, 1, 1]", 5.0, 1.0)]

@@ -248,6 +248,8 @@ def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: 
                        result.get("trace_gpu_busy_share")))
     for name, us, launches in result.get("top_kernels_us_per_token", [])[:10]:
         log(f"[profile]   {us:8.2f} us/token  {launches:6.2f}x  {name}")
+    for name, us, launches in result.get("chain_share_us_per_token", [])[:10]:
+        log(f"[profile]   adds {us:8.2f} us/token  {launches:6.2f}x  {name}")
     return {"summary": result["summary"], "trace": result.get("trace"),
             "trace_gpu_busy_share": result.get("trace_gpu_busy_share")}
 

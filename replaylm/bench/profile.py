@@ -16,7 +16,8 @@ timestamps:
 ``profile_run`` drives a ``generate`` under the observer and, when a path is given, a second
 short run under ``torch.profiler`` that writes a Chrome/Perfetto trace; ``kernel_busy_share``
 reads such a trace back and measures the device's busy share over the decode window from the
-kernels and copies themselves.
+kernels and copies themselves; ``chain_share`` splits the busy time among the kernels, each
+charged only what it adds past the ones before it (PDL launches overlap their predecessors).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def profile_run(llm: Any, prompts: list[list[int]], params: Any,
         result["trace"] = trace_path
         result["trace_gpu_busy_share"] = kernel_busy_share(trace_path)
         result["top_kernels_us_per_token"] = top_kernels(trace_path, short.max_tokens)
+        result["chain_share_us_per_token"] = chain_share(trace_path, short.max_tokens)
     return result
 
 
@@ -168,6 +170,37 @@ def top_kernels(trace_path: str, tokens: int, n: int = 15) -> list[tuple[str, fl
     top = sorted(total, key=total.get, reverse=True)[:n]
     per = max(1, tokens)
     return [(k, round(total[k] / per, 2), round(count[k] / per, 2)) for k in top]
+
+
+def _launch_label(event: dict[str, Any]) -> str:
+    """A kernel's name and grid (``name [x,y,z]``): launches of one kernel at different
+    shapes (the projections) stay apart."""
+    grid = (event.get("args") or {}).get("grid")
+    name = str(event.get("name", "?"))[:90]
+    return f"{name} {list(grid)}" if grid else name
+
+
+def chain_share(trace_path: str, tokens: int, n: int = 15) -> list[tuple[str, float, float]]:
+    """What each launch shape adds to the device's busy time: (kernel name and grid, µs and
+    launches per generated token) for the ``n`` largest.
+
+    With PDL a kernel starts while its predecessor runs and waits inside, so its trace
+    duration overlaps the one before it, and ``top_kernels``' sums exceed the step time. Here
+    each moment of busy time goes to the span that first extends the covered window past it:
+    a span adds ``end - max(start, latest end so far)``. The additions sum to the busy time;
+    a kernel's share is the time the step would lose without it in a serial chain."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _launch_label(e))
+                   for e in _device_spans(trace_path))
+    added: dict[str, float] = {}
+    count: dict[str, int] = {}
+    covered = float("-inf")
+    for start, end, name in spans:
+        added[name] = added.get(name, 0.0) + max(0.0, end - max(start, covered))
+        count[name] = count.get(name, 0) + 1
+        covered = max(covered, end)
+    top = sorted(added, key=added.get, reverse=True)[:n]
+    per = max(1, tokens)
+    return [(k, round(added[k] / per, 2), round(count[k] / per, 2)) for k in top]
 
 
 def kernel_busy_share(trace_path: str) -> float | None:
