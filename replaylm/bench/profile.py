@@ -188,7 +188,7 @@ def chain_share(trace_path: str, tokens: int, n: int = 15) -> list[tuple[str, fl
     duration overlaps the one before it, and ``top_kernels``' sums exceed the step time. Here
     each moment of busy time goes to the span that first extends the covered window past it:
     a span adds ``end - max(start, latest end so far)``. The additions sum to the busy time;
-    a kernel's share is the time the step would lose without it in a serial chain."""
+    in a serial chain, a kernel's share approximates what the step would save without it."""
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _launch_label(e))
                    for e in _device_spans(trace_path))
     added: dict[str, float] = {}
