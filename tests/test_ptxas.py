@@ -1,0 +1,73 @@
+"""The no-GPU resource report (``replaylm.bench.ptxas``): parsing, occupancy arithmetic, and
+compiling a real decode step's variants for sm_90a on the CPU (which also catches a kernel
+signature the report no longer matches)."""
+
+from __future__ import annotations
+
+import pytest
+
+from replaylm.bench import ptxas
+
+PTXAS_OUT = """ptxas info    : Compiling entry function '_paged_attn_kernel' for 'sm_90a'
+ptxas info    : Function properties for _paged_attn_kernel
+    16 bytes stack frame, 20 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 16 bytes cumulative stack size
+"""
+
+
+def test_parse_ptxas():
+    assert ptxas.parse_ptxas(PTXAS_OUT) == (128, 44)
+    assert ptxas.parse_ptxas("ptxas info    : Used 26 registers") == (26, 0)
+    with pytest.raises(ValueError, match="register"):
+        ptxas.parse_ptxas("nothing here")
+
+
+def test_programs_per_sm():
+    # 128 registers x 4 warps: the register file holds 4 programs.
+    assert ptxas.programs_per_sm(128, 22528, 4) == 4
+    # 168 registers round up to 5,376 per warp: 12 warps, 3 programs.
+    assert ptxas.programs_per_sm(168, 22528, 4) == 3
+    # Tiny programs are capped by the 32-program limit, 8-warp ones by 64 warps.
+    assert ptxas.programs_per_sm(26, 0, 1) == 32
+    assert ptxas.programs_per_sm(24, 0, 8) == 8
+    # Shared memory: 100 KB programs, two per SM.
+    assert ptxas.programs_per_sm(32, 100 * 1024, 4) == 2
+
+
+def test_decode_step_variants_compile_and_report(monkeypatch, tmp_path):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("REPLAYLM_CACHE", str(tmp_path))  # no tuning cache: default tiles
+    variants = ptxas.decode_variants("qwen3-0.6b")
+    assert [v.label.split()[0] for v in variants] == [
+        "attention,", "rotary", "qkv", "o_proj", "gate_up", "down"]
+    for v in variants[:2]:
+        u = ptxas.usage(v)
+        assert 0 < u.registers <= 255 and u.programs_per_sm >= 1
+
+
+def test_projection_tiles_come_from_the_tuning_cache(monkeypatch, tmp_path):
+    import json
+
+    from replaylm.kernels.gemv import _kernels_revision
+
+    prefix = f"NVIDIA H200|torch 2.11|triton 3.6.0|pdl True|src {_kernels_revision()}|"
+    stale = "NVIDIA H200|torch 2.11|triton 3.6.0|pdl True|src 000000000000|"
+    (tmp_path / "linear_tuning.json").write_text(json.dumps({
+        prefix + "norm|1x4096x1024|torch.bfloat16|False": [[1, 8, 256, 4], 3.5, 5.2],
+        prefix + "silu|1x1024x3072|torch.bfloat16|False": [None, 4.4, 4.4],
+        prefix + "plain|1x1024x3072|torch.bfloat16|False": [None, 6.7, 6.7],
+        prefix + "norm|1x6144x1024|torch.bfloat16|False": [None, 6.8, 6.8],
+        prefix + "plain|1x6144x1024|torch.bfloat16|False": [[1, 8, 256, 4], 5.0, 6.1],
+        stale + "plain|1x1024x2048|torch.bfloat16|False": [[1, 16, 128, 4], 2.0, 9.0],
+    }))
+    monkeypatch.setenv("REPLAYLM_CACHE", str(tmp_path))
+    variants = ptxas.decode_variants("qwen3-0.6b")
+    qkv = variants[2]
+    assert qkv.label == "qkv 4096x1024, tile 8x256 (tuned)"
+    assert (qkv.constexprs["BLOCK_N"], qkv.constexprs["BLOCK_K"], qkv.num_warps) == (8, 256, 4)
+    assert variants[3].label.endswith("(default)")  # the stale entry is not used
+    gate_up = variants[4]
+    assert gate_up.label == "gate_up 6144x1024, tile 8x256 (after a separate RMSNorm)"
+    assert gate_up.constexprs["PROLOGUE"] == 0 and not gate_up.constexprs["HAS_RESIDUAL"]
+    # Fused SiLU lost, and so did the plain skinny kernel: cuBLAS.
+    assert variants[-1] == "down 1024x3072: cuBLAS (tuning cache)"
