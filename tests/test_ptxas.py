@@ -34,15 +34,25 @@ def test_programs_per_sm():
     assert ptxas.programs_per_sm(32, 100 * 1024, 4) == 2
 
 
-def test_decode_step_variants_compile_and_report(monkeypatch, tmp_path):
+def test_cli_compiles_a_decode_step_and_reports(tmp_path):
+    """The CLI end to end, in a subprocess: the kernels must be compiled, not interpreted
+    (``tests/test_kernels.py`` may have switched this process to the interpreter)."""
+    import os
+    import subprocess
+    import sys
+
     pytest.importorskip("triton")
-    monkeypatch.setenv("REPLAYLM_CACHE", str(tmp_path))  # no tuning cache: default tiles
-    variants = ptxas.decode_variants("qwen3-0.6b")
-    assert [v.label.split()[0] for v in variants] == [
-        "attention,", "rotary", "qkv", "o_proj", "gate_up", "down"]
-    for v in variants[:2]:
-        u = ptxas.usage(v)
-        assert 0 < u.registers <= 255 and u.programs_per_sm >= 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["REPLAYLM_CACHE"] = str(tmp_path)  # no tuning cache: default tiles
+    out = subprocess.run([sys.executable, "-m", "replaylm.bench.ptxas", "--model", "qwen3-0.6b"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = out.stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["attention,", "rotary", "qkv", "o_proj", "gate_up",
+                                            "down"]
+    for row in rows:
+        regs, spill, smem, per_sm = (int(x) for x in row.split()[-4:])
+        assert 0 < regs <= 255 and spill >= 0 and smem >= 0 and per_sm >= 1, row
 
 
 def test_projection_tiles_come_from_the_tuning_cache(monkeypatch, tmp_path):

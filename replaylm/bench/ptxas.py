@@ -91,6 +91,9 @@ def usage(v: Variant, arch: int = 90) -> Usage:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if not hasattr(v.kernel, "cache_key"):  # an InterpretedFunction
+        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1, which cannot "
+                           "compile them: run without it")
     names = list(v.kernel.arg_names)
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
