@@ -301,6 +301,24 @@ def test_skinny_silu_linear(kernels):
     torch.testing.assert_close(kernels.fused.silu_linear(gate_up, w), ref, rtol=1e-5, atol=1e-4)
 
 
+def test_chain_bench_options_compute_the_same_chain(kernels):
+    """``bench.chain`` (a GPU benchmark) wires each projection's options into one layer
+    chain; here, interpreted, a skinny tile for each projection gives the unfused path's
+    result, so the options it times all compute the real chain."""
+    from replaylm.bench import chain
+
+    ps = [chain.Projection("qkv", "norm", 48, 16), chain.Projection("o_proj", "plain", 16, 32),
+          chain.Projection("gate_up", "norm", 40, 16), chain.Projection("down", "silu", 16, 20)]
+    c = chain.LayerChain(ps, layers=2, dtype=torch.float32, device=torch.device("cpu"))
+    want_h, want_res = c.run([None] * 4)
+    for slot, p in enumerate(ps):
+        opts = [None] * 4
+        opts[slot] = chain.options_of(p)[1]  # the first skinny tile
+        h, res = c.run(opts)
+        torch.testing.assert_close(h, want_h, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res, want_res, rtol=1e-4, atol=1e-5)
+
+
 def test_silu_and_mul(kernels):
     gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(kernels.fused.silu_and_mul(gate_up),
