@@ -177,6 +177,7 @@ class LayerChain:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from replaylm.bench.kernels import COPY_CEILING_TBS
     from replaylm.model.shapes import NAMED_SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -203,15 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     engine_t, best_t = (statistics.median(confirm[k]) for k in ("engine", "chain"))
     for p, e, b in zip(projections, engine, best, strict=True):
         print(f"{p.name:8s} {p.n}x{p.k}: engine {e or 'unfused'}, in chain {b or 'unfused'}")
+    layer_bytes = sum(p.n * p.k * 2 for p in projections)  # bf16 weights read per layer
     print(f"[chain] {ns.model}: {engine_t:.2f} us per layer with the engine's choices, "
           f"{best_t:.2f} with the chain's (medians of {ns.confirm} interleaved re-timings; "
-          f"{len(trials)} chains timed in the search)")
+          f"{len(trials)} chains timed in the search); weights at "
+          f"{layer_bytes / engine_t / 1e6:.2f} and {layer_bytes / best_t / 1e6:.2f} TB/s "
+          f"against the {COPY_CEILING_TBS} TB/s copy ceiling")
     if ns.json:
         result: dict[str, Any] = {
             "model": ns.model, "layers": ns.layers, "device": torch.cuda.get_device_name(),
             "projections": [p.__dict__ for p in projections],
             "engine": engine, "engine_us_per_layer": engine_t,
             "chain": best, "chain_us_per_layer": best_t, "confirm": confirm,
+            "weight_bytes_per_layer": layer_bytes,
             "trials": [{"options": t, "us_per_layer": us} for t, us in trials],
         }
         with open(ns.json, "w") as f:
