@@ -99,8 +99,7 @@ def options_of(p: Projection) -> list[Option]:
     """The unfused path and every one-row skinny tile ``gemv.choose`` would time."""
     from replaylm.kernels import gemv
 
-    bk_cap = 1 << (p.k - 1).bit_length()
-    return [None] + [(1, bn, min(bk, bk_cap), warps) for bn, bk, warps in gemv.CANDIDATES[1]]
+    return [None, *gemv.candidate_configs(1, p.k)]
 
 
 class LayerChain:

@@ -16,10 +16,9 @@ import itertools
 import json
 
 import torch
-import triton
 
 from replaylm.kernels.gemv import (
-    CANDIDATES,
+    candidate_configs,
     graph_time_us,
     pick_config,
     skinny_linear,
@@ -65,10 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max_abs_err": err, "cublas_us": round(t_cublas, 2),
                    "cublas_tbs": round(nbytes / t_cublas / 1e6, 2)}
             if ns.sweep:
-                bm = triton.next_power_of_2(m)
                 times = {}
-                for bn, bk, warps in CANDIDATES[bm]:
-                    cfg = (bm, bn, min(bk, triton.next_power_of_2(k)), warps)
+                for cfg in candidate_configs(m, k):
                     times[cfg] = time_us(
                         lambda w, x=x, cfg=cfg: skinny_linear(x, w, config=cfg), ws)
                 best = min(times, key=times.get)

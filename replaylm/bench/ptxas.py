@@ -23,7 +23,6 @@ the engine's launches.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import tempfile
@@ -122,23 +121,9 @@ def usage(v: Variant, arch: int = 90) -> Usage:
     return Usage(regs, spills, shared, programs_per_sm(regs, shared, v.num_warps))
 
 
-def _tuned_configs() -> dict[str, list | None]:
-    """Projection tiles chosen on a GPU for the current kernel sources:
-    ``"kind|MxNxK|dtype|bias" -> config`` (None: cuBLAS won)."""
-    from replaylm.kernels.gemv import _kernels_revision
-    from replaylm.model.loader import cache_dir
-
-    try:
-        entries = json.loads((cache_dir() / "linear_tuning.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    current = f"|src {_kernels_revision()}|"
-    return {"|".join(key.split("|")[-4:]): value[0] for key, value in entries.items()
-            if current in key}
-
-
 def decode_variants(model: str) -> list[Variant | str]:
     """The variants of ``model``'s batch-1 decode step (a string where cuBLAS runs)."""
+    import torch
     import triton
 
     from replaylm.kernels import attention, fused, gemv
@@ -171,19 +156,23 @@ def decode_variants(model: str) -> list[Variant | str]:
         pointers={"pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"},
         floats=("eps",), unaligned=("num_tokens",),
     )]
-    tuned = _tuned_configs()
+    tuned = gemv._TuningCache().decisions_by_shape()  # read now: REPLAYLM_CACHE may change
+
+    def shape_key(kind: str, n: int, k: int) -> str:
+        return gemv._TuningCache.shape_key((kind, 1, n, k, torch.bfloat16, False))
+
     projections = (("qkv", "norm", gemv.PROLOGUE_NORM, (hq + 2 * hkv) * d, hidden),
                    ("o_proj", "plain", gemv.PROLOGUE_PLAIN, hidden, hq * d),
                    ("gate_up", "norm", gemv.PROLOGUE_NORM, 2 * inter, hidden),
                    ("down", "silu", gemv.PROLOGUE_SILU, hidden, inter))
     separate = {"norm": "after a separate RMSNorm", "silu": "after a separate SiLU·mul"}
     for name, kind, prologue, n, k in projections:
-        key = f"{kind}|1x{n}x{k}|torch.bfloat16|False"
+        key = shape_key(kind, n, k)
         note = "tuned" if key in tuned else "default"
         if key in tuned and tuned[key] is None and kind != "plain":
             # The fusion lost: the separate op, then ``linear``'s own choice for the shape.
             kind, prologue, note = "plain", gemv.PROLOGUE_PLAIN, separate[kind]
-            key = f"plain|1x{n}x{k}|torch.bfloat16|False"
+            key = shape_key("plain", n, k)
         if key in tuned and tuned[key] is None:
             variants.append(f"{name} {n}x{k}: cuBLAS (tuning cache)")
             continue

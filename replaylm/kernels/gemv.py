@@ -283,6 +283,14 @@ CANDIDATES: dict[int, list[tuple[int, int, int]]] = {
 }
 
 
+def candidate_configs(m: int, k: int) -> list[tuple[int, int, int, int]]:
+    """Every tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` the tuner times for ``m`` rows
+    and reduction length ``k``: ``CANDIDATES`` with ``BLOCK_K`` capped at ``k``'s next power
+    of two."""
+    bm = triton.next_power_of_2(m)
+    return [(bm, bn, min(bk, triton.next_power_of_2(k)), warps) for bn, bk, warps in CANDIDATES[bm]]
+
+
 def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) without measuring: the first candidate whose
     strips cover the SMs about twice."""
@@ -557,11 +565,22 @@ class _TuningCache:
         return cache_dir() / "linear_tuning.json"
 
     @staticmethod
-    def _key(key: tuple, device: torch.device) -> str:
+    def shape_key(key: tuple) -> str:
+        """The shape part of an entry's key: ``kind|MxNxK|dtype|bias``."""
         kind, m, n, k, dtype, bias = key
+        return f"{kind}|{m}x{n}x{k}|{dtype}|{bias}"
+
+    @classmethod
+    def _key(cls, key: tuple, device: torch.device) -> str:
         gpu = torch.cuda.get_device_name(device)
         return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|pdl {pdl.ENABLED}|"
-                f"src {_kernels_revision()}|{kind}|{m}x{n}x{k}|{dtype}|{bias}")
+                f"src {_kernels_revision()}|{cls.shape_key(key)}")
+
+    def decisions_by_shape(self) -> dict[str, tuple[int, int, int, int] | None]:
+        """The configs decided for the current kernel sources, on any GPU and versions, by
+        ``shape_key`` (None: the unfused path won); for reports made without a GPU."""
+        return {"|".join(k.split("|")[-4:]): (tuple(v[0]) if v[0] is not None else None)
+                for k, v in self._load().items()}
 
     def _load(self) -> dict[str, list]:
         if self.entries is None:
@@ -602,10 +621,8 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     """(best config or None for the unfused path, its µs, the unfused path's µs)."""
     kind, m, n, k = key[:4]
     baseline = graph_time_us(unfused, weights)
-    bm = triton.next_power_of_2(m)
     best, best_us = None, baseline
-    for bn, bk, warps in CANDIDATES[bm]:
-        cfg = (bm, bn, min(bk, triton.next_power_of_2(k)), warps)
+    for cfg in candidate_configs(m, k):
         us = graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights)
         if us < best_us:
             best, best_us = cfg, us
