@@ -552,8 +552,8 @@ def _kernels_revision() -> str:
 
 class _TuningCache:
     """Decisions of ``choose`` on disk (``$REPLAYLM_CACHE/linear_tuning.json``), per GPU
-    model, torch/triton versions, PDL setting and kernel sources, so a restart skips the
-    timing runs."""
+    model, torch/triton versions, PDL mode (``pdl.mode``) and kernel sources, so a restart
+    skips the timing runs."""
 
     def __init__(self) -> None:
         self.entries: dict[str, list] | None = None
@@ -573,7 +573,7 @@ class _TuningCache:
     @classmethod
     def _key(cls, key: tuple, device: torch.device) -> str:
         gpu = torch.cuda.get_device_name(device)
-        return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|pdl {pdl.ENABLED}|"
+        return (f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|pdl {pdl.mode()}|"
                 f"src {_kernels_revision()}|{cls.shape_key(key)}")
 
     def decisions_by_shape(self) -> dict[str, tuple[int, int, int, int] | None]:
