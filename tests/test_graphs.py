@@ -178,3 +178,23 @@ def test_capture_pauses_the_garbage_collector():
         assert not gc.isenabled()  # a collector that was off stays off
     finally:
         gc.enable()
+
+
+def test_rope_in_attention_limit(monkeypatch):
+    """Decode steps of up to ``REPLAYLM_ROPE_IN_ATTENTION`` request slots (default 1) do the
+    rotary work inside attention where the model is graphed whole; piecewise modes never
+    do; a bad value is named."""
+    from replaylm.model.llama import rope_in_attention_limit
+
+    monkeypatch.delenv("REPLAYLM_ROPE_IN_ATTENTION", raising=False)
+    assert [rope_in_attention_limit(m) for m in ("ragged", "full", "eager")] == [1, 1, 1]
+    assert rope_in_attention_limit("piecewise") == rope_in_attention_limit(
+        "full_and_piecewise") == 0
+    monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", "0")
+    assert rope_in_attention_limit("ragged") == 0
+    monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", "16")
+    assert rope_in_attention_limit("full") == 16
+    for bad in ("yes", "-1"):
+        monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", bad)
+        with pytest.raises(ValueError, match="REPLAYLM_ROPE_IN_ATTENTION"):
+            rope_in_attention_limit("ragged")

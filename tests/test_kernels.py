@@ -516,12 +516,17 @@ def test_model_rope_in_qkv(kernels, tiny_checkpoint, monkeypatch):
 def test_model_rope_in_attention(kernels, tiny_checkpoint):
     """On a decode step, q/k norm, rotary and the KV write inside the attention launch give
     the same hidden states and cache as the rotary kernel; a prefill step (more than one new
-    token) keeps the rotary kernel."""
+    token) keeps the rotary kernel, and so does a decode step of more request slots than
+    the model's limit."""
+    import dataclasses
+
     from tests.model_helpers import one_request_meta
 
     def choose(model, on):
-        model.rope_in_attention = on
+        model.rope_in_attention_max_reqs = 1 if on else 0
         assert not model._defer_rope(one_request_meta(0, 19, [3, 5]))  # prefill: never
-        assert model._defer_rope(one_request_meta(19, 1, [3, 5])) == on
+        decode = one_request_meta(19, 1, [3, 5])
+        assert model._defer_rope(decode) == on
+        assert not model._defer_rope(dataclasses.replace(decode, num_reqs=2))
 
     _decode_step_both_ways(kernels, tiny_checkpoint[1], 2, choose)

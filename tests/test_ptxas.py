@@ -42,17 +42,44 @@ def test_cli_compiles_a_decode_step_and_reports(tmp_path):
     import sys
 
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "REPLAYLM_ROPE_IN_ATTENTION")}
     env["REPLAYLM_CACHE"] = str(tmp_path)  # no tuning cache: default tiles
     out = subprocess.run([sys.executable, "-m", "replaylm.bench.ptxas", "--model", "qwen3-0.6b"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = out.stdout.splitlines()[1:]
-    assert [r.split()[0] for r in rows] == ["attention,", "rotary", "qkv", "o_proj", "gate_up",
-                                            "down"]
+    # Batch 1 does the rotary work inside attention by default: no rotary kernel.
+    assert [r.split()[0] for r in rows] == ["attention", "qkv", "o_proj", "gate_up", "down"]
+    assert rows[0].startswith("attention + rotary")
     for row in rows:
         regs, spill, smem, per_sm = (int(x) for x in row.split()[-4:])
         assert 0 < regs <= 255 and spill >= 0 and smem >= 0 and per_sm >= 1, row
+
+
+_TRIGGER_ORDER = """
+from replaylm.bench import ptxas
+qkv = next(v for v in ptxas.decode_variants("qwen3-0.6b") if v.label.startswith("qkv"))
+code = ptxas.ptx(qkv)
+print(code.index("griddepcontrol.launch_dependents") < code.index("griddepcontrol.wait"))
+"""
+
+
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_pdl_trigger_sits_where_the_mode_says(tmp_path, early):
+    """The compiled kernel lets its successor launch before its own wait (the default) or
+    after it (``REPLAYLM_PDL_EARLY=0``, which also keeps its own tuned tiles)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"REPLAYLM_CACHE": str(tmp_path), "REPLAYLM_PDL_EARLY": early}
+    out = subprocess.run([sys.executable, "-c", _TRIGGER_ORDER], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(early == "1")]
 
 
 def test_projection_tiles_come_from_the_tuning_cache(monkeypatch, tmp_path):
@@ -71,12 +98,13 @@ def test_projection_tiles_come_from_the_tuning_cache(monkeypatch, tmp_path):
         stale + "plain|1x1024x2048|torch.bfloat16|False": [[1, 16, 128, 4], 2.0, 9.0],
     }))
     monkeypatch.setenv("REPLAYLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("REPLAYLM_ROPE_IN_ATTENTION", raising=False)
     variants = ptxas.decode_variants("qwen3-0.6b")
-    qkv = variants[2]
+    qkv = variants[1]
     assert qkv.label == "qkv 4096x1024, tile 8x256 (tuned)"
     assert (qkv.constexprs["BLOCK_N"], qkv.constexprs["BLOCK_K"], qkv.num_warps) == (8, 256, 4)
-    assert variants[3].label.endswith("(default)")  # the stale entry is not used
-    gate_up = variants[4]
+    assert variants[2].label.endswith("(default)")  # the stale entry is not used
+    gate_up = variants[3]
     assert gate_up.label == "gate_up 6144x1024, tile 8x256 (after a separate RMSNorm)"
     assert gate_up.constexprs["PROLOGUE"] == 0 and not gate_up.constexprs["HAS_RESIDUAL"]
     # Fused SiLU lost, and so did the plain skinny kernel: cuBLAS.

@@ -11,7 +11,9 @@ attention from 128 to 168 registers per thread, 3 programs per SM instead of 4, 
 measured 8% slower at batch 2.
 
 The variants are the ones a batch-1 decode step launches: attention with the tile
-``pick_config`` gives a decode launch, the rotary kernel, and the four projections.
+``pick_config`` gives a decode launch, doing the rotary work itself (the default at batch
+1; with ``REPLAYLM_ROPE_IN_ATTENTION=0`` the rotary kernel's row follows), and the four
+projections.
 Projections take the tile from the tuning cache (``$REPLAYLM_CACHE/linear_tuning.json``,
 written on the GPU, entries for the current kernel sources) when it holds the shape, else
 ``gemv.pick_config``'s default. Where the cache says a fused prologue lost, the row is the
@@ -84,8 +86,26 @@ def _ptxas() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
 
 
+def ptx(v: Variant, arch: int = 90) -> str:
+    """The PTX Triton emits for ``v`` on ``sm_{arch}a``."""
+    return _compile(v, arch).asm["ptx"]
+
+
 def usage(v: Variant, arch: int = 90) -> Usage:
     """Compile ``v`` for ``sm_{arch}a`` and read its resource use back from ptxas."""
+    compiled = _compile(v, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_file = Path(tmp) / "kernel.ptx"
+        ptx_file.write_text(compiled.asm["ptx"])
+        out = subprocess.run([_ptxas(), f"-arch=sm_{arch}a", "-v", str(ptx_file), "-o",
+                              str(Path(tmp) / "kernel.cubin")],
+                             capture_output=True, text=True, check=True)
+    regs, spills = parse_ptxas(out.stderr + out.stdout)
+    shared = int(compiled.metadata.shared)
+    return Usage(regs, spills, shared, programs_per_sm(regs, shared, v.num_warps))
+
+
+def _compile(v: Variant, arch: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -108,17 +128,8 @@ def usage(v: Variant, arch: int = 90) -> Usage:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=v.kernel, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): c for k, c in v.constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": v.num_warps, "num_stages": v.num_stages})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        out = subprocess.run([_ptxas(), f"-arch=sm_{arch}a", "-v", str(ptx), "-o",
-                              str(Path(tmp) / "kernel.cubin")],
-                             capture_output=True, text=True, check=True)
-    regs, spills = parse_ptxas(out.stderr + out.stdout)
-    shared = int(compiled.metadata.shared)
-    return Usage(regs, spills, shared, programs_per_sm(regs, shared, v.num_warps))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": v.num_warps, "num_stages": v.num_stages})
 
 
 def decode_variants(model: str) -> list[Variant | str]:
@@ -127,6 +138,7 @@ def decode_variants(model: str) -> list[Variant | str]:
     import triton
 
     from replaylm.kernels import attention, fused, gemv
+    from replaylm.model.llama import rope_in_attention_limit
     from replaylm.model.shapes import NAMED_SHAPES
 
     shape = NAMED_SHAPES[model]
@@ -137,25 +149,29 @@ def decode_variants(model: str) -> list[Variant | str]:
     g_pad = attention.group_pad(hq, hkv)
     cfg = attention.pick_config(1, g_pad, d, latency_bound=True)
     min_split = triton.cdiv(cfg.min_split_keys, cfg.block_n) * cfg.block_n
+    rope = rope_in_attention_limit("ragged") >= 1  # batch 1; the default mode graphs whole
     variants: list[Variant | str] = [Variant(
-        f"attention, decode tile {cfg.block_m}x{cfg.block_n}, split-KV", attention._paged_attn_kernel,
+        f"attention{' + rotary' if rope else ','} decode tile {cfg.block_m}x{cfg.block_n}, "
+        "split-KV", attention._paged_attn_kernel,
         dict(GROUP=hq // hkv, G_PAD=g_pad, BQ=cfg.block_m // g_pad, BLOCK_N=cfg.block_n,
-             HEAD_DIM=d, PAGE=16, IS_SPLIT=True, MIN_SPLIT=min_split, ROPE=False,
-             HAS_QK_NORM=False, CHUNK=attention._SEARCH_CHUNK, USE_PDL=True),
+             HEAD_DIM=d, PAGE=16, IS_SPLIT=True, MIN_SPLIT=min_split, ROPE=rope,
+             HAS_QK_NORM=rope and qk_norm, CHUNK=attention._SEARCH_CHUNK, USE_PDL=True),
         cfg.num_warps, cfg.num_stages,
         pointers={"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "counter_ptr": "*i32",
                   "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32", "block_table_ptr": "*i32",
                   "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"},
         floats=("eps", "sm_scale_log2"),
         unaligned=("num_tokens", "num_reqs", "num_splits", "stride_bt"),
-    ), Variant(
-        "rotary (+ q/k norm, KV write), a head per program", fused._rotary_kernel,
-        dict(HQ=hq, HKV=hkv, HP=1, HALF=d // 2, HAS_NORM=qk_norm, WRITE_KV=True, PAGE=16,
-             USE_PDL=True),
-        max(1, min(4, d // 256)),
-        pointers={"pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"},
-        floats=("eps",), unaligned=("num_tokens",),
     )]
+    if not rope:
+        variants.append(Variant(
+            "rotary (+ q/k norm, KV write), a head per program", fused._rotary_kernel,
+            dict(HQ=hq, HKV=hkv, HP=1, HALF=d // 2, HAS_NORM=qk_norm, WRITE_KV=True, PAGE=16,
+                 USE_PDL=True),
+            max(1, min(4, d // 256)),
+            pointers={"pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64"},
+            floats=("eps",), unaligned=("num_tokens",),
+        ))
     tuned = gemv._TuningCache().decisions_by_shape()  # read now: REPLAYLM_CACHE may change
 
     def shape_key(kind: str, n: int, k: int) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.graphs.runtime import Dispatch, GraphRuntime
 from replaylm.graphs.tiers import default_decode_tiers, default_token_tiers, parse_graph_tiers
 from replaylm.model.config import ModelConfig
-from replaylm.model.llama import CausalLM
+from replaylm.model.llama import CausalLM, rope_in_attention_limit
 from replaylm.model.loader import load_model
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
@@ -104,15 +103,8 @@ class ModelRunner:
         self.model.poison_padding = args.poison_padding
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
-        # REPLAYLM_ROPE_IN_ATTENTION=1: decode steps rotate q and the new key inside attention
-        # (one launch fewer per layer) where the model runs whole (piecewise graphs fix the
-        # attention input's shape). Off by default: on the H200 it measured slower (Qwen3-0.6B
-        # batch 1: 1,145 tok/s against 1,206 with the separate rotary kernel).
-        self.model.rope_in_attention = (
-            self.model.kernels is not None
-            and self.graph_mode not in ("piecewise", "full_and_piecewise")
-            and os.environ.get("REPLAYLM_ROPE_IN_ATTENTION", "0") == "1"
-        )
+        self.model.rope_in_attention_max_reqs = (
+            rope_in_attention_limit(self.graph_mode) if self.model.kernels is not None else 0)
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
@@ -120,7 +112,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
-                             rope=self.model.rope_in_attention, qk_norm=cfg.qk_norm)
+                             rope=self.model.rope_in_attention_max_reqs > 0, qk_norm=cfg.qk_norm)
         self.graphs = GraphRuntime(
             self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,

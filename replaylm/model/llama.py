@@ -8,13 +8,15 @@ SiLU-and-mul, down). The model is then
 
 and ``forward`` runs exactly these links in order: ``first_link``, then per layer
 ``attention`` and ``link`` (the last link is ``final_link``). A piecewise graph captures each
-dense link; a full graph captures the whole of ``forward``. With ``rope_in_attention`` (fused
-Triton kernels, whole-model modes, ``REPLAYLM_ROPE_IN_ATTENTION=1``; off by default, as it
-measured slower), a decode step's "before" part ends at the qkv projection and the attention
-launch does the q/k norm, rotary and KV write itself.
+dense link; a full graph captures the whole of ``forward``. With fused Triton kernels in a
+whole-model mode, a decode step of at most ``rope_in_attention_max_reqs`` request slots
+(``rope_in_attention_limit``) ends its "before" part at the qkv projection, and the
+attention launch does the q/k norm, rotary and KV write itself.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -22,6 +24,30 @@ from torch import nn
 from replaylm.attention.backend import AttentionBackend, AttentionMetadata
 from replaylm.model import ops
 from replaylm.model.config import ModelConfig, rope_cos_sin
+
+
+def rope_in_attention_limit(graph_mode: str) -> int:
+    """Up to how many request slots a decode step with the fused kernels leaves q/k norm,
+    rotary and the KV write to the attention launch (one kernel fewer per layer); 0: never.
+
+    Only where the model is graphed whole (a piecewise graph fixes the attention input's
+    shape). ``REPLAYLM_ROPE_IN_ATTENTION=N`` sets the limit; the default, 1, is what was
+    measured. Session 7, with the PDL trigger before the wait: Qwen3-0.6B batch 1 went from
+    1,300 to 1,340 tok/s with it, Llama-3.2-1B stayed level (1,054 against 1,056). Larger
+    batches are unmeasured: the fused launch needs 155 registers per thread against 128,
+    so 3 attention programs fit on an SM instead of 4, which cost a wider split merge 8% at
+    batch 2 in session 6.
+    """
+    if graph_mode in ("piecewise", "full_and_piecewise"):
+        return 0
+    raw = os.environ.get("REPLAYLM_ROPE_IN_ATTENTION", "1")
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"REPLAYLM_ROPE_IN_ATTENTION must be a request count >= 0, got {raw!r}")
+    return limit
 
 
 class RMSNorm(nn.Module):
@@ -118,9 +144,9 @@ class CausalLM(nn.Module):
         # that leaks into a real row shows up as NaN in its logits.
         self.poison_padding = False
         self.kernels = None
-        # Set by the runner: decode steps leave q/k norm, rotary and the KV write to the
-        # attention launch (Triton backend, whole-model modes only).
-        self.rope_in_attention = False
+        # Set by the runner: decode steps of at most this many request slots leave q/k norm,
+        # rotary and the KV write to the attention launch (Triton backend, whole-model modes).
+        self.rope_in_attention_max_reqs = 0
 
     def bind(
         self,
@@ -166,8 +192,9 @@ class CausalLM(nn.Module):
     def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of layer ``i``. ``q`` is what ``before`` returned: the rotated q, or on a
-        decode step with ``rope_in_attention`` the raw qkv, whose q/k norm, rotary and KV
-        write then run inside the attention launch (which needs ``positions``)."""
+        step that defers the rotary work (``_defer_rope``) the raw qkv, whose q/k norm,
+        rotary and KV write then run inside the attention launch (which needs
+        ``positions``)."""
         k_cache, v_cache = self.kv_caches[i]
         if not self._defer_rope(meta):
             return self.attn.forward(q, k_cache, v_cache, meta, self.scale)
@@ -186,7 +213,7 @@ class CausalLM(nn.Module):
     def _defer_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step's attention does the rotary work (host-known: a graph tier
         always decides the same way)."""
-        return self.rope_in_attention and meta.max_q_len == 1
+        return meta.max_q_len == 1 and 0 < meta.num_reqs <= self.rope_in_attention_max_reqs
 
     def _before(self, i, hidden, residual, positions, meta):
         return self.layers[i].before(

@@ -75,7 +75,7 @@ def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint, monkeypatch):
     for flag in ("0", "1"):
         monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", flag)
         llm = LLM(str(path), dtype="float32", num_kv_blocks=128, skip_tokenizer_init=True)
-        assert llm.engine.runner.model.rope_in_attention == (flag == "1")
+        assert llm.engine.runner.model.rope_in_attention_max_reqs == int(flag)
         outs[flag] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
                       for p in prompts]
         assert llm.graph_stats()["hits"].get("ragged:1", 0) >= 40  # batch-1 decode, graphed
