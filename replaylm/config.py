@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 GRAPH_MODES = ("eager", "full", "piecewise", "full_and_piecewise", "ragged")
+#: Modes that capture the dense links between attention calls (attention runs eagerly).
+PIECEWISE_MODES = ("piecewise", "full_and_piecewise")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")

@@ -137,6 +137,7 @@ def decode_variants(model: str) -> list[Variant | str]:
     import torch
     import triton
 
+    from replaylm.engine.model_runner import DEFAULT_GPU_GRAPH_MODE
     from replaylm.kernels import attention, fused, gemv
     from replaylm.model.llama import rope_in_attention_limit
     from replaylm.model.shapes import NAMED_SHAPES
@@ -149,7 +150,7 @@ def decode_variants(model: str) -> list[Variant | str]:
     g_pad = attention.group_pad(hq, hkv)
     cfg = attention.pick_config(1, g_pad, d, latency_bound=True)
     min_split = triton.cdiv(cfg.min_split_keys, cfg.block_n) * cfg.block_n
-    rope = rope_in_attention_limit("ragged") >= 1  # batch 1; the default mode graphs whole
+    rope = rope_in_attention_limit(DEFAULT_GPU_GRAPH_MODE) >= 1  # at batch 1
     variants: list[Variant | str] = [Variant(
         f"attention{' + rotary' if rope else ','} decode tile {cfg.block_m}x{cfg.block_n}, "
         "split-KV", attention._paged_attn_kernel,

@@ -13,7 +13,7 @@ import torch
 from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
 from replaylm.attention.torch_dense import TorchDenseAttentionBackend
 from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.config import EngineArgs
+from replaylm.config import PIECEWISE_MODES, EngineArgs
 from replaylm.engine.batch import HostBatch, build_host_batch, to_device
 from replaylm.engine.prompt_logprobs import plan_prompt_logprobs
 from replaylm.engine.request import Request
@@ -233,7 +233,7 @@ class ModelRunner:
         top = max(self.decode_tiers + self.token_tiers)
         profiled = min(self.args.max_num_batched_tokens, self.max_model_len)
         acts = profile_peak * min(1.0, top / profiled)
-        if self.graph_mode in ("piecewise", "full_and_piecewise"):
+        if self.graph_mode in PIECEWISE_MODES:
             acts += 4 * top * self.cfg.q_size * self.dtype.itemsize  # link buffers
         logits = min(top, self.args.max_num_seqs) * self.cfg.vocab_size * 4
         return int(acts + logits + 64 * 2**20)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from replaylm.config import PIECEWISE_MODES
 from replaylm.engine.batch import ForwardBatch, HostBatch, to_device
 from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.capture import gc_paused
@@ -136,7 +137,7 @@ class GraphRuntime:
         self.host_attn_lengths = host_attn_lengths
         self.graph_check = graph_check
         self.uses_full = mode in ("full", "full_and_piecewise")
-        self.uses_piecewise = mode in ("piecewise", "full_and_piecewise")
+        self.uses_piecewise = mode in PIECEWISE_MODES
         self.decode_tiers = decode_tiers if self.uses_full else []
         self.token_tiers = token_tiers if (self.uses_piecewise or mode == "ragged") else []
         self.stats = GraphStats()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from replaylm.attention.backend import AttentionBackend, AttentionMetadata
+from replaylm.config import PIECEWISE_MODES
 from replaylm.model import ops
 from replaylm.model.config import ModelConfig, rope_cos_sin
 
@@ -38,7 +39,7 @@ def rope_in_attention_limit(graph_mode: str) -> int:
     so 3 attention programs fit on an SM instead of 4, which cost a wider split merge 8% at
     batch 2 in session 6.
     """
-    if graph_mode in ("piecewise", "full_and_piecewise"):
+    if graph_mode in PIECEWISE_MODES:
         return 0
     raw = os.environ.get("REPLAYLM_ROPE_IN_ATTENTION", "1")
     try:
