@@ -150,10 +150,14 @@ def test_split_kv(kernels, hq, hkv, splits):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 6])
 def test_decode_attention_with_rope(kernels, qk_norm, splits):
     """Decode attention that normalises and rotates q and the new key itself and writes the
-    new K/V = the rotary kernel's reference, then attention over the updated cache."""
+    new K/V = the rotary kernel's reference, then attention over the updated cache. This
+    variant loads its first key block before the PDL wait and patches the new key into it,
+    lets programs without keys leave before the wait, and merges four partials per round
+    trip: 6 splits give a 200-key context five partials (a full round and a partial one),
+    the short contexts leave most programs idle, and the padded rows must still be zeroed."""
     hq, hkv, d = 4, 2, 32
     kv_lens = [200, 17, 1, 64, 33]
     q, kc, vc, meta = make_batch([1] * len(kv_lens), kv_lens, hq=hq, hkv=hkv, d=d,
