@@ -128,6 +128,23 @@ def _attn_update(acc, l_i, m_i, q, k, v, keys, hi, q_pos, sm_scale_log2, MASKED:
     return acc, l_i, m_new
 
 
+@triton.jit
+def _key_range(kv_len, q_len, j, split, num_splits, BQ: tl.constexpr, BLOCK_N: tl.constexpr,
+               MIN_SPLIT: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """Keys ``lo .. hi`` that tile ``j`` of a request folds in for split ``split``, from the
+    request's lengths alone; ``tile_hi``: keys the tile's last row can see; ``per``: keys per
+    split (``tile_hi`` without split-KV). ``lo >= hi`` when the split has no keys."""
+    tile_hi = tl.minimum(kv_len - q_len + j * BQ + BQ, kv_len)
+    lo = 0
+    hi = tile_hi
+    per = tile_hi
+    if IS_SPLIT:
+        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+        lo = split * per
+        hi = tl.minimum(tile_hi, lo + per)
+    return lo, hi, tile_hi, per
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_ml_ptr, counter_ptr,
@@ -175,15 +192,10 @@ def _paged_attn_kernel(
             kw2 = tl.load(kw_ptr + HALF + dh).to(tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
     if ROPE:
-        # The program's key range (as computed after the wait below), from host-written
-        # lengths as well.
+        # The program's key range comes from host-written lengths as well.
         j0 = tile - (q_start // BQ + req)
-        p_hi = tl.minimum(kv_len - q_len + j0 * BQ + BQ, kv_len)
-        p_lo = 0
-        if IS_SPLIT:
-            p_per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-            p_lo = split * p_per
-            p_hi = tl.minimum(p_hi, p_lo + p_per)
+        p_lo, p_hi, _, _ = _key_range(kv_len, q_len, j0, split, num_splits, BQ, BLOCK_N,
+                                      MIN_SPLIT, IS_SPLIT)
         # Programs with no keys and no padding rows to zero leave before the wait, so they
         # take no SM slot while it lasts. Program (0, 0, 0) always waits: the launch still
         # completes only after its predecessor.
@@ -243,15 +255,11 @@ def _paged_attn_kernel(
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     min_pos = ctx_start + j * BQ
-    hi = tl.minimum(min_pos + BQ, kv_len)  # keys the tile's last row can see
-    lo = 0
-    tile_hi = hi
+    lo, hi, tile_hi, per = _key_range(kv_len, q_len, j, split, num_splits, BQ, BLOCK_N,
+                                      MIN_SPLIT, IS_SPLIT)
     if IS_SPLIT:
-        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-        lo = split * per
         if lo >= tile_hi:  # no keys for this split: it takes no part in the merge either
             return
-        hi = tl.minimum(hi, lo + per)
     # Keys below min_pos + 1 are visible to every row of the tile: no mask needed there.
     full_hi = lo + tl.maximum(tl.minimum(hi, min_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
 
