@@ -35,8 +35,9 @@ def rope_in_attention_limit(graph_mode: str) -> int:
     shape). ``REPLAYLM_ROPE_IN_ATTENTION=N`` sets the limit; the default, 1, is what was
     measured. Session 7, with the PDL trigger before the wait: Qwen3-0.6B batch 1 went from
     1,300 to 1,340 tok/s with it, Llama-3.2-1B stayed level (1,054 against 1,056). Larger
-    batches are unmeasured: the fused launch needs 155 registers per thread against 128,
-    so 3 attention programs fit on an SM instead of 4, which cost a wider split merge 8% at
+    batches are unmeasured: with its pre-wait K/V block and 4-wide merge (session 8) the
+    fused launch needs 222 registers per thread against 128 (Qwen3-0.6B, ``bench.ptxas``),
+    so 2 attention programs fit on an SM instead of 4; a wider split merge alone cost 8% at
     batch 2 in session 6.
     """
     if graph_mode in PIECEWISE_MODES:
