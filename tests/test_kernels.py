@@ -35,7 +35,7 @@ from tests.attn_helpers import make_batch  # noqa: E402
 IN_PROCESS = isinstance(triton.language.sum, InterpretedFunction)
 # gemv before fused: fused re-exports gemv's ``linear`` at import.
 _MODULES = ("replaylm.kernels.attention", "replaylm.kernels.kv_write", "replaylm.kernels.gemv",
-            "replaylm.kernels.fused", "replaylm.kernels.argmax")
+            "replaylm.kernels.fused", "replaylm.kernels.argmax", "replaylm.kernels.step_inputs")
 
 
 def test_interpreter_suite_in_subprocess():
@@ -80,9 +80,9 @@ def kernels():
         mods.append(mod)
     from replaylm.attention.triton_backend import TritonAttentionBackend
 
-    attn, kvw, gemv, fused, argmax = mods
+    attn, kvw, gemv, fused, argmax, step_inputs = mods
     yield SimpleNamespace(attn=attn, kvw=kvw, gemv=gemv, fused=fused, argmax=argmax,
-                          backend=TritonAttentionBackend())
+                          step_inputs=step_inputs, backend=TritonAttentionBackend())
     undo_shim()
 
 
@@ -246,6 +246,24 @@ def test_fused_add_rmsnorm(kernels, with_residual):
     w = torch.randn(48, generator=g)
     out, new_res = kernels.fused.fused_add_rmsnorm(x, res, w, 1e-6)
     ref_out, ref_res = kernels.fused.fused_add_rmsnorm_ref(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rmsnorm_rows(kernels, with_residual):
+    """With ``rows`` (a step's final norm, on its logits rows only): those rows, in order,
+    repeats allowed, as the reference computes after an index_select."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 48, generator=g)
+    res = torch.randn(6, 48, generator=g) if with_residual else None
+    w = torch.randn(48, generator=g)
+    rows = torch.tensor([5, 0, 3, 3])
+    out, new_res = kernels.fused.fused_add_rmsnorm(x, res, w, 1e-6, rows=rows)
+    assert out.shape == (4, 48)
+    ref_out, ref_res = kernels.fused.fused_add_rmsnorm_ref(x, res, w, 1e-6, rows=rows)
+    full_out, _ = kernels.fused.fused_add_rmsnorm_ref(x, res, w, 1e-6)
+    torch.testing.assert_close(ref_out, full_out[rows])
     torch.testing.assert_close(new_res, ref_res)
     torch.testing.assert_close(out, ref_out)
 
@@ -462,6 +480,47 @@ def test_argmax(kernels, vocab):
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
         assert not kernels.argmax._counters(x.device).any()
+
+
+@pytest.mark.parametrize("vocab", [1000, 3 * 4096 + 5])
+def test_argmax_into_slots(kernels, vocab):
+    """The answers also land in ``dest[slots]`` (the runtime's last_token), as index_copy_
+    would put them; other entries of ``dest`` are left alone."""
+    g = torch.Generator().manual_seed(vocab + 1)
+    x = torch.randn(3, vocab, generator=g)
+    dest = torch.full((8,), -7, dtype=torch.int64)
+    slots = torch.tensor([6, 1, 4])
+    got = kernels.argmax.argmax(x, dest, slots)
+    want = x.argmax(-1)
+    assert torch.equal(got, want)
+    expect = torch.full((8,), -7, dtype=torch.int64)
+    expect[slots] = want
+    assert torch.equal(dest, expect)
+    assert not kernels.argmax._counters(x.device).any()
+
+
+@pytest.mark.parametrize("num_tokens,num_reqs,max_blocks", [(1, 1, 5), (5, 3, 37), (4, 0, 3)])
+def test_gather_step_inputs(kernels, num_tokens, num_reqs, max_blocks):
+    """One launch = the torch path: ids gathered from last_token ++ host ids, block-table
+    rows from their slots, embedding rows of the ids (an id outside the vocabulary embeds as
+    zeros instead of reading past the table)."""
+    g = torch.Generator().manual_seed(num_tokens * 7 + max_blocks)
+    vocab, hidden, slots = 50, 24, 6
+    source = torch.randint(0, vocab, (slots + num_tokens,), generator=g)
+    source[slots] = vocab + 3  # an out-of-range host id (token 0 reads it below)
+    gather = torch.randint(0, slots + num_tokens, (num_tokens,), generator=g)
+    gather[gather == slots] = 0
+    gather[0] = slots
+    tables = torch.randint(0, 1000, (slots, max_blocks), generator=g, dtype=torch.int32)
+    req_slots = torch.randperm(slots, generator=g)[:num_reqs]
+    emb = torch.randn(vocab, hidden, generator=g)
+    ids = torch.full((num_tokens,), -1, dtype=torch.int64)
+    bt = torch.full((num_reqs, max_blocks), -1, dtype=torch.int32)
+    out = kernels.step_inputs.gather_step_inputs(source, gather, ids, tables, req_slots, bt, emb)
+    assert torch.equal(ids, source[gather])
+    assert torch.equal(bt, tables[req_slots])
+    assert torch.equal(out[0], torch.zeros(hidden))
+    assert torch.equal(out[1:], emb[ids[1:]])
 
 
 def _decode_step_both_ways(kernels, path, seed, choose):

@@ -28,7 +28,8 @@ def host_step_ms(requests: int, steps: int, prompt_len: int = 128,
     model = llm.engine.runner.model
     hidden = model.cfg.hidden_size
     # Stubs: no layers and no LM head, so what is left is the engine's own host work.
-    model.forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
+    model.forward = lambda ids, pos, meta, embedded=None, rows=None: torch.zeros(
+        ids.shape[0] if rows is None else rows.shape[0], hidden)
     logits = torch.zeros(max(requests, 8192), model.cfg.vocab_size)
     model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
     g = torch.Generator().manual_seed(0)

@@ -139,13 +139,23 @@ class StaticBuffers:
             req_slots=self.req_slots[:num_reqs],
         )
 
-    def gather_inputs(self, b: ForwardBatch) -> None:
-        """On the device: input ids (host ids or previous samples) and the step's block table.
-
-        Inside a graph these are its first two nodes.
+    def gather_inputs(self, b: ForwardBatch, embedding: torch.Tensor | None = None,
+                      fused: bool = False) -> torch.Tensor | None:
+        """On the device: input ids (host ids or previous samples) and the step's block table;
+        with ``embedding`` (the model's token embedding) also the ids' embedding rows, which
+        are returned. ``fused``: all three in one Triton launch (``kernels.step_inputs``),
+        the first node of a graph; else two index_selects (and the lookup).
         """
+        if fused and embedding is not None:
+            from replaylm.kernels.step_inputs import gather_step_inputs
+
+            return gather_step_inputs(self.token_source, b.gather, b.input_ids,
+                                      self.slot_tables, b.req_slots, b.meta.block_table,
+                                      embedding)
         torch.index_select(self.token_source, 0, b.gather, out=b.input_ids)
         torch.index_select(self.slot_tables, 0, b.req_slots, out=b.meta.block_table)
+        return None if embedding is None else torch.nn.functional.embedding(b.input_ids,
+                                                                             embedding)
 
     def update_block_tables(self, host: HostBatch) -> None:
         """Copy the blocks requests gained since their last step into ``slot_tables``."""

@@ -254,18 +254,20 @@ class GraphRuntime:
 
     def _whole_model(self, b: ForwardBatch, out: torch.Tensor | None = None,
                      gather: bool = True) -> list[torch.Tensor]:
-        """The step on the device: inputs gathered, the model, logits, and greedy samples
-        (written to ``last_token``; a sampler that draws otherwise overwrites them)."""
+        """The step on the device: inputs gathered and embedded, the model (its final norm on
+        the logits rows only), logits, and greedy samples (written to ``last_token``; a
+        sampler that draws otherwise overwrites them)."""
+        m = self.model
+        embedded = None
         if gather and b.gather is not None:
-            self.buffers.gather_inputs(b)
-        hidden = self.model(b.input_ids, b.positions, b.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, b.logits_indices), out)
+            embedded = self.buffers.gather_inputs(b, m.embed_tokens.weight,
+                                                  fused=m.kernels is not None)
+        hidden = m(b.input_ids, b.positions, b.meta, embedded, rows=b.logits_indices)
+        logits = m.compute_logits(hidden, out)
         return [logits, self._greedy(logits, b)]
 
     def _greedy(self, logits: torch.Tensor, b: ForwardBatch) -> torch.Tensor:
-        tokens = argmax_rows(logits)
-        self.last_token.index_copy_(0, b.sample_slots, tokens)
-        return tokens
+        return argmax_rows(logits, self.last_token, b.sample_slots)
 
     def _link(self, j: int, b: ForwardBatch, attn_in: torch.Tensor, res_in: torch.Tensor):
         """Dense link ``j`` of the chain: 0 is embed+before₀, the last ends in the final norm."""

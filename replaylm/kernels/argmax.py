@@ -6,7 +6,10 @@ chunks it takes a max kernel, an argmax kernel and a gather (~20 µs at one row,
 the last program of a row to finish (an atomic arrival count, as in split-KV attention)
 reduces the row's chunk results and writes the answer, then resets the count. So greedy
 sampling is one graph node, and the answer is torch's: the first index of the maximum (NaN
-counts as the maximum, as in torch), whichever chunk finishes last.
+counts as the maximum, as in torch), whichever chunk finishes last. The program that writes a
+row's answer can also store it into a per-slot table (``dest[slots[row]]``: the runtime's
+``last_token``, which the next step reads its input ids from), which saves the scatter's own
+graph node.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ def _first_max(values, index, NO_INDEX: tl.constexpr):
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, vocab, stride_x,
-                   CHUNK: tl.constexpr, C_PAD: tl.constexpr, NO_INDEX: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+def _store_answer(out_ptr, dest_ptr, slots_ptr, row, idx, HAS_DEST: tl.constexpr):
+    tl.store(out_ptr + row, idx.to(tl.int64))
+    if HAS_DEST:
+        tl.store(dest_ptr + tl.load(slots_ptr + row), idx.to(tl.int64))
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, dest_ptr, slots_ptr,
+                   vocab, stride_x, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
+                   NO_INDEX: tl.constexpr, HAS_DEST: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -46,7 +56,7 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, vocab, s
     x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
     best, idx = _first_max(x, offs, NO_INDEX)
     if chunks == 1:
-        tl.store(out_ptr + row, idx.to(tl.int64))
+        _store_answer(out_ptr, dest_ptr, slots_ptr, row, idx, HAS_DEST)
     else:
         slot = row * chunks + chunk
         tl.store(part_v_ptr + slot, best)
@@ -62,7 +72,7 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, vocab, s
             idxs = tl.load(part_i_ptr + row * chunks + c, mask=ok, other=NO_INDEX,
                            cache_modifier=".cg")
             _, win = _first_max(vals, idxs, NO_INDEX)
-            tl.store(out_ptr + row, win.to(tl.int64))
+            _store_answer(out_ptr, dest_ptr, slots_ptr, row, win, HAS_DEST)
 
 
 @cache
@@ -72,17 +82,25 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of ``[L, V]`` rows (contiguous last dim) as int64 ``[L]``."""
+def argmax(logits: torch.Tensor, dest: torch.Tensor | None = None,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[L, V]`` rows (contiguous last dim) as int64 ``[L]``; with
+    ``dest`` (int64) and ``slots`` (``[L]``) also ``dest[slots] = `` the answers, as
+    ``dest.index_copy_(0, slots, answers)`` would."""
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and 0 < rows <= MAX_ROWS
+    has_dest = dest is not None
+    if has_dest:
+        assert slots is not None and slots.shape == (rows,) and dest.dtype == torch.int64
+        assert dest.is_contiguous() and slots.is_contiguous()
     chunks = triton.cdiv(vocab, CHUNK)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
     part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, chunks)](
-        logits, out, part_v, part_i, _counters(logits.device), vocab, logits.stride(0),
+        logits, out, part_v, part_i, _counters(logits.device),
+        dest if has_dest else out, slots if has_dest else out, vocab, logits.stride(0),
         CHUNK=CHUNK, C_PAD=triton.next_power_of_2(chunks), NO_INDEX=_NO_INDEX,
-        USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
+        HAS_DEST=has_dest, USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
     )
     return out

@@ -38,9 +38,14 @@ from replaylm.model.ops import split_qkv
 
 
 def fused_add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``new_residual = x + residual`` (or ``x``), ``normed = rmsnorm(it)``."""
+    """Torch reference: ``new_residual = x + residual`` (or ``x``), ``normed = rmsnorm(it)``;
+    with ``rows``, of those rows only."""
+    if rows is not None:
+        x = x.index_select(0, rows)
+        residual = None if residual is None else residual.index_select(0, rows)
     new_residual = x if residual is None else x + residual
     r32 = new_residual.float()
     normed = (r32 * torch.rsqrt(r32.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
@@ -101,18 +106,21 @@ def rotary_ref(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, num_tokens, eps,
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, rows_ptr, num_tokens, eps,
     stride_x, stride_r, stride_o, stride_nr,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    src = row
+    if HAS_ROWS:  # the row list is host-written: read before the wait
+        src = tl.load(rows_ptr + row).to(tl.int64)
+    wait_for_previous(USE_PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        r = tl.load(res_ptr + src * stride_r + cols, mask=mask, other=0.0)
         # The sum is rounded to the model dtype first: that is the residual the next layer
         # reads, and the torch path normalises the rounded value too.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -125,24 +133,29 @@ def _add_rmsnorm_kernel(
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual`` (``x`` when ``residual`` is None, the first layer),
     ``normed = weight * rmsnorm(new_residual)``; returns ``(normed, new_residual)``.
 
     ``x``/``residual``: ``[T, H]`` with a contiguous last dim; outputs are fresh tensors.
+    With ``rows`` (int64 ``[R]``, written before the step) only those rows, in that order: the
+    final norm of a step gathers its logits rows this way, without an index_select launch.
     """
-    num_tokens, hidden = x.shape
-    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
-    new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if num_tokens == 0:
+    hidden = x.shape[1]
+    num_out = x.shape[0] if rows is None else rows.shape[0]
+    normed = x.new_empty(num_out, hidden)
+    new_res = x.new_empty(num_out, hidden)
+    if num_out == 0:
         return normed, new_res
     res = x if residual is None else residual
     block = triton.next_power_of_2(hidden)
-    _add_rmsnorm_kernel[(num_tokens,)](
-        x, res, weight, normed, new_res, num_tokens, eps,
+    _add_rmsnorm_kernel[(num_out,)](
+        x, res, weight, normed, new_res, x if rows is None else rows, num_out, eps,
         x.stride(0), res.stride(0), normed.stride(0), new_res.stride(0),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, USE_PDL=pdl.ENABLED,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        HAS_ROWS=rows is not None, USE_PDL=pdl.ENABLED,
         num_warps=min(16, max(1, block // 512)), **pdl.LAUNCH,
     )
     return normed, new_res

@@ -173,8 +173,10 @@ class CausalLM(nn.Module):
 
     # The dense links of the chain ------------------------------------------------------------
 
-    def first_link(self, input_ids, positions, meta: AttentionMetadata):
-        hidden = self.embed_tokens(input_ids)
+    def first_link(self, input_ids, positions, meta: AttentionMetadata,
+                   embedded: torch.Tensor | None = None):
+        """Embedding (unless ``embedded`` holds the rows already) + before₀."""
+        hidden = self.embed_tokens(input_ids) if embedded is None else embedded
         if self.poison_padding:
             # Tokens past the last request's end belong to no request: padding.
             pad = torch.arange(hidden.shape[0], device=hidden.device) >= meta.cu_seqlens_q[-1]
@@ -186,10 +188,15 @@ class CausalLM(nn.Module):
         hidden, residual = self.layers[i].after(attn_out, residual)
         return self._before(i + 1, hidden, residual, positions, meta)
 
-    def final_link(self, attn_out, residual) -> torch.Tensor:
+    def final_link(self, attn_out, residual, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """after_last + the final norm, of ``rows`` only when given (in one launch on CUDA)."""
         hidden, residual = self.layers[-1].after(attn_out, residual)
-        add_norm = self.kernels.fused_add_rmsnorm if self.kernels else ops.add_rms_norm
-        return add_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps)[0]
+        w, eps = self.norm.weight, self.cfg.rms_norm_eps
+        if self.kernels:
+            return self.kernels.fused_add_rmsnorm(hidden, residual, w, eps, rows=rows)[0]
+        if rows is not None:
+            hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
+        return ops.add_rms_norm(hidden, residual, w, eps)[0]
 
     def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,14 +232,18 @@ class CausalLM(nn.Module):
 
     # Whole model ----------------------------------------------------------------------------
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm, for every packed token."""
-        q, residual = self.first_link(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                embedded: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, for every packed token, or
+        ``[R, hidden]`` for the token rows ``rows`` (int64). ``embedded``: the input ids'
+        embedding rows, when the caller gathered them already (``StaticBuffers.gather_inputs``)."""
+        q, residual = self.first_link(input_ids, positions, meta, embedded)
         last = self.cfg.num_layers - 1
         for i in range(last):
             q, residual = self.link(i, self.attention(i, q, meta, positions), residual,
                                     positions, meta)
-        return self.final_link(self.attention(last, q, meta, positions), residual)
+        return self.final_link(self.attention(last, q, meta, positions), residual, rows)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``hidden``'s rows: fp32, or written into ``out`` (model dtype), which lets

@@ -105,16 +105,21 @@ def uniforms(rkeys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
     return torch.mul(x, _INV_2_32)
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, dest: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` (first index on ties) for ``[L, V]`` rows: on CUDA one Triton
     launch (``replaylm.kernels.argmax``; torch's reduction takes one thread block per row
-    and ~36 µs for a 128k vocab row), elsewhere torch's."""
+    and ~36 µs for a 128k vocab row), elsewhere torch's. With ``dest`` and ``slots``, also
+    ``dest[slots] = `` the answers (inside the same launch on CUDA)."""
     if logits.is_cuda and logits.stride(-1) == 1 and logits.shape[0] > 0:
         from replaylm.kernels.argmax import MAX_ROWS, argmax
 
         if logits.shape[0] <= MAX_ROWS:
-            return argmax(logits)
-    return logits.argmax(dim=-1)
+            return argmax(logits, dest, slots)
+    tokens = logits.argmax(dim=-1)
+    if dest is not None:
+        dest.index_copy_(0, slots, tokens)
+    return tokens
 
 
 class SamplingState:

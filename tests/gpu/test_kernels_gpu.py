@@ -186,6 +186,11 @@ def test_fused_kernels(dtype):
         ref_out, ref_res = fused.fused_add_rmsnorm_ref(x, r, w, 1e-5)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=1e-2)
+        rows = torch.tensor([32, 0, 7, 7], device=DEV)  # a step's final norm on its logits rows
+        out, new_res = fused.fused_add_rmsnorm(x, r, w, 1e-5, rows=rows)
+        ref_out, ref_res = fused.fused_add_rmsnorm_ref(x, r, w, 1e-5, rows=rows)
+        assert torch.equal(new_res, ref_res)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=1e-2)
     gate_up = torch.randn(t, 2 * inter, device=DEV, dtype=dtype, generator=g)
     torch.testing.assert_close(fused.silu_and_mul(gate_up), fused.silu_and_mul_ref(gate_up),
                                atol=1e-2, rtol=1e-2)
@@ -341,4 +346,29 @@ def test_argmax_rows_gpu():
             x[0, vocab // 2] = float("nan")
             for _ in range(3):
                 assert torch.equal(argmax_rows(x), x.argmax(-1))
+            dest = torch.full((rows + 3,), -1, dtype=torch.int64, device=DEV)
+            slots = torch.randperm(rows + 3, device=DEV, generator=g)[:rows]
+            got = argmax_rows(x, dest, slots)  # also into dest[slots], as last_token
+            assert torch.equal(got, x.argmax(-1)) and torch.equal(dest[slots], got)
+            assert int((dest == -1).sum()) == 3
     assert not _counters(x.device).any()
+
+
+def test_gather_step_inputs_gpu():
+    """A step's ids, block table and embedding rows in one launch = the torch ops."""
+    from replaylm.kernels.step_inputs import gather_step_inputs
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for vocab, hidden, tokens, reqs, blocks in ((151936, 1024, 1, 1, 256), (128256, 4096, 300, 40, 2561)):
+        slots = 64
+        source = torch.randint(0, vocab, (slots + 1 + tokens,), device=DEV, generator=g)
+        gather = torch.randint(0, slots + 1 + tokens, (tokens,), device=DEV, generator=g)
+        tables = torch.randint(0, 10**6, (slots + 1, blocks), device=DEV, generator=g,
+                               dtype=torch.int32)
+        req_slots = torch.randint(0, slots + 1, (reqs,), device=DEV, generator=g)
+        emb = torch.randn(vocab, hidden, device=DEV, dtype=torch.bfloat16, generator=g)
+        ids = torch.empty(tokens, dtype=torch.int64, device=DEV)
+        bt = torch.empty(reqs, blocks, dtype=torch.int32, device=DEV)
+        out = gather_step_inputs(source, gather, ids, tables, req_slots, bt, emb)
+        assert torch.equal(ids, source[gather]) and torch.equal(bt, tables[req_slots])
+        assert torch.equal(out, emb[ids])
