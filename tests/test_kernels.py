@@ -283,9 +283,19 @@ def test_skinny_linear(kernels, m, n, k, bias):
     got = kernels.gemv.skinny_linear(wide, w, b, config=(16, 8, 16, 4))
     torch.testing.assert_close(got, kernels.gemv.skinny_linear_ref(wide, w, b), rtol=1e-5,
                                atol=1e-4)
+    # Into a given output (the graphs' shared logits buffer), kernel and torch paths alike.
+    for cfg in ((16, 8, 16, 4), None):
+        out = torch.full((m, n), float("nan"))
+        got = kernels.gemv.skinny_linear(x, w, b, config=cfg, out=out)
+        assert got is out or m > kernels.gemv.MAX_M
+        torch.testing.assert_close(out, kernels.gemv.skinny_linear_ref(x, w, b), rtol=1e-5,
+                                   atol=1e-4)
     # The layers' ``linear`` is the measured dispatcher; off CUDA it is plain F.linear.
     assert kernels.fused.linear is kernels.gemv.linear
     torch.testing.assert_close(kernels.gemv.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    out = torch.empty(m, n)
+    kernels.gemv.linear(x, w, b, out=out)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b))
 
 
 @pytest.mark.parametrize("m,n,k,residual,bias", [(1, 24, 40, True, False), (3, 37, 64, True, True),

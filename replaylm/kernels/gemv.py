@@ -354,18 +354,23 @@ def _rope_args(rope: QkvRope | None, x: torch.Tensor, q_out: torch.Tensor | None
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            rope: QkvRope | None = None,
+            rope: QkvRope | None = None, out: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). With ``rope``
-    ``y`` is the rotated q ``[M, Hq, D]`` and k, v went to the cache."""
+    ``y`` is the rotated q ``[M, Hq, D]`` and k, v went to the cache. ``out``: where ``y``
+    goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1, "weight rows must be contiguous"
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+        y = out
     new_res = None
     if residual is not None:
         if residual.stride(1) != 1:
@@ -398,11 +403,22 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``."""
+                  config: tuple[int, int, int, int] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``.
+    ``out``: the ``[M, N]`` tensor to write it to (returned)."""
     if x.shape[0] > MAX_M or x.shape[0] == 0:
+        return _torch_linear(x, weight, bias, out)
+    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out)[0]
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
         return torch.nn.functional.linear(x, weight, bias)
-    return _launch(PROLOGUE_PLAIN, x, weight, bias, config)[0]
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -492,25 +508,26 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.
     return best
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The layers' projection: the fastest of cuBLAS and the skinny kernel's tile candidates
-    for this shape.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The layers' projections and the LM head: the fastest of cuBLAS and the skinny
+    kernel's tile candidates for this shape; written into ``out`` when given.
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
     """
     m = x.shape[0]
     if m > MAX_M or m == 0 or not x.is_cuda:
-        return torch.nn.functional.linear(x, weight, bias)
+        return _torch_linear(x, weight, bias, out)
     config = choose(
         ("plain", m, weight.shape[0], weight.shape[1], x.dtype, bias is not None),
         weight,
-        unfused=lambda w: torch.nn.functional.linear(x, w, bias),
-        fused=lambda cfg, w: skinny_linear(x, w, bias, config=cfg),
+        unfused=lambda w: _torch_linear(x, w, bias, out),
+        fused=lambda cfg, w: skinny_linear(x, w, bias, config=cfg, out=out),
     )
     if config is not None:
-        return skinny_linear(x, weight, bias, config=config)
-    return torch.nn.functional.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, config=config, out=out)
+    return _torch_linear(x, weight, bias, out)
 
 
 def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], object],

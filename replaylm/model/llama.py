@@ -247,8 +247,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``hidden``'s rows: fp32, or written into ``out`` (model dtype), which lets
-        every graph share one static logits buffer instead of each keeping its own."""
+        every graph share one static logits buffer instead of each keeping its own. With the
+        fused kernels the latter is the projections' ``linear``: at a few rows the skinny
+        kernel streams the 151936-row Qwen3 head at 4.3 TB/s against cuBLAS' 4.0 (H200)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
             return torch.nn.functional.linear(hidden, weight).float()
+        if self.kernels:
+            return self.kernels.linear(hidden, weight, out=out)
         return torch.mm(hidden, weight.t(), out=out)

@@ -247,6 +247,20 @@ def test_skinny_linear_gpu(m, n, k):
     assert torch.equal(chosen, linear(x, w, b))
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_lm_head_linear_gpu(m):
+    """The LM head through ``linear`` into a given logits buffer (the graphs' shared one):
+    whichever of cuBLAS and the skinny kernel it picks, the buffer holds the product."""
+    from replaylm.kernels.gemv import linear, skinny_linear_ref
+
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(151936, 1024, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
+    out = torch.full((m, 151936), float("nan"), device=DEV, dtype=torch.bfloat16)
+    assert linear(x, w, out=out) is out
+    torch.testing.assert_close(out, skinny_linear_ref(x, w).to(out.dtype), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (2048, 8192)])
 def test_fused_prologue_linear_gpu(m, n, k):
