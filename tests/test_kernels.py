@@ -453,8 +453,35 @@ def test_tuning_digest_follows_kernels_not_host_code(kernels, monkeypatch):
     assert gemv._kernels_revision() == first and len(first) == 12
     monkeypatch.setitem(gemv.CANDIDATES, 1, gemv.CANDIDATES[1] + [(32, 128, 4)])
     gemv._kernels_revision.cache_clear()
-    assert gemv._kernels_revision() != first
+    second = gemv._kernels_revision()
+    assert second != first
+    monkeypatch.setattr(gemv, "TIE", gemv.TIE + 0.01)  # the tie rule decides too
     gemv._kernels_revision.cache_clear()
+    assert gemv._kernels_revision() not in (first, second)
+    gemv._kernels_revision.cache_clear()
+
+
+def test_tuner_prefers_fewer_warps_on_near_ties(kernels, monkeypatch):
+    """``_tune`` keeps the fastest tile unless a tile with fewer warps is within ``TIE`` of
+    it, and the unfused path unless some tile beats it."""
+    gemv = kernels.gemv
+    monkeypatch.setattr(gemv, "candidate_configs", lambda m, k: [
+        (1, 8, 1024, 8), (1, 4, 1024, 4), (1, 4, 512, 4), (1, 2, 1024, 2)])
+
+    def run(times, baseline):
+        def timer(fn, weights):
+            return fn(weights[0])
+        monkeypatch.setattr(gemv, "graph_time_us", timer)
+        return gemv._tune(("plain", 1, 64, 1024), [None], lambda w: baseline,
+                          lambda cfg, w: times[cfg])
+
+    t = {(1, 8, 1024, 8): 2.17, (1, 4, 1024, 4): 2.20, (1, 4, 512, 4): 2.19, (1, 2, 1024, 2): 2.5}
+    assert run(t, 9.0) == ((1, 4, 512, 4), 2.19, 9.0)  # 4 warps within 2%: the faster of them
+    t[(1, 2, 1024, 2)] = 2.21
+    assert run(t, 9.0)[0] == (1, 2, 1024, 2)
+    t = {(1, 8, 1024, 8): 2.0, (1, 4, 1024, 4): 2.2, (1, 4, 512, 4): 2.3, (1, 2, 1024, 2): 2.5}
+    assert run(t, 9.0)[0] == (1, 8, 1024, 8)  # no near tie: the fastest
+    assert run(t, 2.0) == (None, 2.0, 2.0)  # nothing beats the unfused path
 
 
 def test_rotary_launch_shape_overrides(kernels):
