@@ -315,7 +315,7 @@ class ModelRunner:
         fallbacks[reason] = fallbacks.get(reason, 0) + 1
         batch = to_device(host, self.last_token, self.buffers.slot_tables, self.device,
                           not self.attn.graph_safe)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         rows = torch.cat([batch.logits_indices, plan.rows])
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
+        logits = self.model.compute_logits(hidden)
         return logits, batch, Dispatch("eager", reason=reason), host.num_tokens
