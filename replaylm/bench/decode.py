@@ -1,4 +1,4 @@
-"""Decode-speed benchmark, following ANCHORS.md "How replaylm measures" exactly.
+"""Decode-speed benchmark (``replaylm bench decode``), with the protocol of docs/benchmarks.md.
 
 - batch 1: one request, a ``prompt_len``-token random prompt (32), ``new_tokens`` (256) new
   tokens, greedy, ``ignore_eos``; tok/s = new tokens ÷ wall time of the whole ``generate``
@@ -29,7 +29,8 @@ import torch
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
 
-# ANCHORS.md: H200 device-to-device copy bandwidth and per-node graph replay cost.
+# Measured on the H200 (docs/benchmarks.md): device-to-device copy bandwidth and the replay
+# cost of one graph node.
 COPY_BANDWIDTH_BYTES_S = 4.23e12
 GRAPH_NODE_S = 1e-6
 

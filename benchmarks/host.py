@@ -1,0 +1,70 @@
+"""Host-path benchmark: the engine's own per-step work at N decoding requests, model stubbed.
+
+The model's forward and LM head return zeros, so a step costs scheduling, batch building, the
+input copy, an argmax over N rows, and turning samples into outputs. That is the work overlap
+scheduling has to hide behind the GPU's step; run it on the serving host to see the margin.
+
+    PYTHONPATH=. python benchmarks/host.py --requests 256 --steps 64 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from replaylm import LLM, SamplingParams
+
+
+def host_step_ms(requests: int, steps: int, prompt_len: int = 128,
+                 profile: cProfile.Profile | None = None) -> float:
+    """Mean wall ms per decode step over the decode phase (prefill steps excluded)."""
+    llm = LLM("default", device="cpu", max_num_seqs=requests, max_model_len=prompt_len + steps + 8,
+              num_kv_blocks=requests * ((prompt_len + steps + 8) // 16 + 2) + 1,
+              skip_tokenizer_init=True)
+    model = llm.engine.runner.model
+    hidden = model.cfg.hidden_size
+    # Stubs: no layers and no LM head, so what is left is the engine's own host work.
+    model.forward = lambda ids, pos, meta, embedded=None, rows=None: torch.zeros(
+        ids.shape[0] if rows is None else rows.shape[0], hidden)
+    logits = torch.zeros(max(requests, 8192), model.cfg.vocab_size)
+    model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, model.cfg.vocab_size, (requests, prompt_len), generator=g).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    core = llm.engine
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) \
+            or core.scheduler.num_waiting:
+        core.step()  # prefill
+    n, start = 0, time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    while core.has_unfinished():
+        core.step()
+        n += 1
+    if profile is not None:
+        profile.disable()
+    return (time.perf_counter() - start) / max(n, 1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
+    ns = ap.parse_args(argv)
+    prof = cProfile.Profile() if ns.profile else None
+    ms = host_step_ms(ns.requests, ns.steps, profile=prof)
+    print(f"{ns.requests} requests: {ms:.2f} ms per decode step (model stubbed, CPU)")
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
