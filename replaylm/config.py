@@ -12,12 +12,12 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
-GRAPH_MODES = ("eager", "full", "piecewise", "full_and_piecewise", "ragged")
-#: Modes that capture the dense links between attention calls (attention runs eagerly).
-PIECEWISE_MODES = ("piecewise", "full_and_piecewise")
+from replaylm.graphs.policy import GRAPH_MODES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")
+PDL_SETTINGS = ("auto", "on", "off")
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
@@ -55,6 +55,11 @@ _HELP: dict[str, str] = {
     "overlap_scheduling": "build and launch step N+1 while the GPU runs step N (samples reach "
     "the host one step late; stop checks lag one step)",
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
+    "pdl": "programmatic dependent launch of the Triton kernels (each may start while the one "
+    "before finishes): auto = on from compute capability 9.0",
+    "rope_in_attention_max_reqs": "decode steps of up to this many requests do q/k norm, "
+    "rotary and the KV write inside the attention launch (fused kernels, modes that graph "
+    "attention with the model); 0 = never",
 }
 
 
@@ -88,25 +93,26 @@ class EngineArgs:
     poison_padding: bool = False
     fused_kernels: bool = True
     overlap_scheduling: bool = True
+    pdl: str = "auto"
+    rope_in_attention_max_reqs: int = 1
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("pdl", self.pdl, PDL_SETTINGS)
         if self.cuda_graph_mode is not None:
             _choice("cuda_graph_mode", self.cuda_graph_mode, GRAPH_MODES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"EngineArgs.max_logprobs={self.max_logprobs!r} is invalid: "
-                             "must be an integer >= 0")
+        _non_negative("max_logprobs", self.max_logprobs)
         _positive("max_graph_tokens", self.max_graph_tokens)
         if self.max_graphs is not None:
             _positive("max_graphs", self.max_graphs)
-        if not isinstance(self.graph_check, int) or self.graph_check < 0:
-            raise ValueError(f"EngineArgs.graph_check={self.graph_check!r} is invalid: must be >= 0")
+        _non_negative("graph_check", self.graph_check)
+        _non_negative("rope_in_attention_max_reqs", self.rope_in_attention_max_reqs)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -145,7 +151,7 @@ class EngineArgs:
                 continue
             kind = _cli_type(f.type)
             choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
-                       "attention_backend": ATTENTION_BACKENDS,
+                       "attention_backend": ATTENTION_BACKENDS, "pdl": PDL_SETTINGS,
                        "cuda_graph_mode": GRAPH_MODES}.get(f.name)
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=f"{help_} (default: {default})")
@@ -171,6 +177,11 @@ def _cli_type(annotation: Any) -> type:
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"EngineArgs.{name}={value!r} is invalid: choose one of {list(options)}")
+
+
+def _non_negative(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 0")
 
 
 def _positive(name: str, value: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
 
 
 def make_batch(q_lens, kv_lens, *, hq, hkv, d, pad_tokens=0, pad_slots=0, seed=0,

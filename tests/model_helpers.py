@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.attention.backend import AttentionBackend
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
 from replaylm.engine.core import load_model_config
 from replaylm.model.loader import load_model
 

@@ -1,45 +1,13 @@
-"""The attention-backend interface and the per-step metadata every backend reads.
-
-The batch is front-packed (DESIGN.md): the new tokens of all requests laid end to end.
-Request ``i`` owns packed query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; its context after
-this step is ``kv_lens[i]`` tokens, so its new tokens sit at absolute positions
-``kv_lens[i] - q_len_i .. kv_lens[i] - 1`` and attend causally to everything before them.
-
-Padding (a batch of T real tokens / B requests run at T_pad tokens / S slots):
-``cu_seqlens_q[B..S] = T``, ``kv_lens[B..S] = 0``, ``block_table[B..S] = 0``; tokens
-``T..T_pad`` belong to no request and write scratch block 0 through ``slot_mapping``.
-"""
+"""The attention-backend interface: paged, varlen, causal attention over the front-packed
+batch (``replaylm.batch``: layout, padding rules and ``AttentionMetadata``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
-BLOCK_SIZE = 16  # tokens per KV block; fixed across the project
-
-
-@dataclass
-class AttentionMetadata:
-    """Device tensors of one step, built once per step; layers read it, nothing mutates it.
-
-    ``num_tokens`` / ``num_reqs`` are the (possibly padded) sizes the tensors have;
-    ``max_q_len`` / ``max_kv_len`` are host-known upper bounds (for a graph: of its tier),
-    so no backend needs to read a length back from the device.
-    """
-
-    cu_seqlens_q: torch.Tensor  # [S+1] int32
-    kv_lens: torch.Tensor  # [S] int32
-    block_table: torch.Tensor  # [S, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64
-    num_tokens: int
-    num_reqs: int
-    max_q_len: int
-    max_kv_len: int
-    # Host copies for the torch reference backend (never read by graph-safe backends).
-    cu_seqlens_q_cpu: list[int] | None = None
-    kv_lens_cpu: list[int] | None = None
+from replaylm.batch import AttentionMetadata
 
 
 class AttentionBackend(ABC):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
-from replaylm.attention.torch_ref import write_kv_ref
+from replaylm.attention.backend import AttentionBackend
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
+from replaylm.kernels import ref
 
 
 def dense_paged_attention(
@@ -63,7 +64,7 @@ class TorchDenseAttentionBackend(AttentionBackend):
     graph_safe = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return dense_paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.kv_lens,

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
-
-
-def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
-    hkv, d = k_cache.shape[-2:]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+from replaylm.attention.backend import AttentionBackend
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
+from replaylm.kernels import ref
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -57,7 +53,7 @@ class TorchAttentionBackend(AttentionBackend):
     graph_safe = False
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.cu_seqlens_q_cpu is not None and meta.kv_lens_cpu is not None

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.attention.backend import AttentionBackend
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
 from replaylm.kernels import attention as attn_kernels
 from replaylm.kernels import kv_write as kv_kernels
 

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     from replaylm.bench.decode import add_cli_args as add_decode_args
 
     bench = sub.add_parser("bench", help="benchmarks (see: replaylm bench decode --help)",
-                           description="Benchmarks that follow ANCHORS.md's protocol.")
+                           description="Benchmarks that follow the measurement protocol of "
+                           "docs/benchmarks.md.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     decode = bench_sub.add_parser(
         "decode", help="batch-1 and batched decode tok/s per graph mode",

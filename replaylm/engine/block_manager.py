@@ -1,6 +1,6 @@
 """Paged KV-cache block allocator: pure CPU bookkeeping with reference counts.
 
-Block 0 is the scratch block that padded tokens write (DESIGN.md), so it is never handed out.
+Block 0 is the scratch block that padded tokens write (``replaylm.batch``), so it is never handed out.
 Blocks carry reference counts so that several requests can hold the same block (n > 1
 siblings, prefix caching); a block returns to the free pool when its count drops to zero. With
 prefix caching, a full block is registered in a ``PrefixCache`` once its K/V are computed; when
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from replaylm.attention.backend import BLOCK_SIZE
+from replaylm.batch import BLOCK_SIZE
 from replaylm.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hash
 from replaylm.engine.request import Request
 

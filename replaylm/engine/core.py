@@ -241,10 +241,10 @@ class EngineCore:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None)
             if obs is not None:
-                obs.launched(dispatch.kind, dispatch.tier, out.num_batched_tokens)
+                obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
             self.scheduler.launched(out)
             self.stats.record_step(StepRecord(
-                mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
+                mode=dispatch.mode, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
                 padded_tokens=padded, num_reqs=len(out.scheduled),
                 fallback_reason=dispatch.reason,
             ))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -10,18 +9,19 @@ from pathlib import Path
 
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from replaylm.attention.backend import AttentionBackend
 from replaylm.attention.torch_dense import TorchDenseAttentionBackend
 from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.config import PIECEWISE_MODES, EngineArgs
-from replaylm.engine.batch import HostBatch, build_host_batch, to_device
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata, HostBatch, to_device
+from replaylm.config import EngineArgs
+from replaylm.engine.packing import build_host_batch
 from replaylm.engine.prompt_logprobs import plan_prompt_logprobs
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
-from replaylm.graphs.runtime import Dispatch, GraphRuntime
-from replaylm.graphs.tiers import default_decode_tiers, default_token_tiers, parse_graph_tiers
+from replaylm.graphs.policy import Dispatch, GraphPolicy, attention_backend_name, resolve_mode
+from replaylm.graphs.runtime import GraphRuntime
 from replaylm.model.config import ModelConfig
-from replaylm.model.llama import CausalLM, rope_in_attention_limit
+from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
@@ -45,42 +45,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-#: The mode ``cuda_graph_mode=None`` picks on a GPU (see README, "CUDA graphs").
-DEFAULT_GPU_GRAPH_MODE = "ragged"
-WHOLE_MODEL_MODES = ("full", "full_and_piecewise", "ragged")
-
-
-def resolve_graph_mode(args: EngineArgs, device: torch.device) -> str:
-    if args.enforce_eager:
-        return "eager"
-    if args.cuda_graph_mode is not None:
-        return args.cuda_graph_mode
-    return DEFAULT_GPU_GRAPH_MODE if device.type == "cuda" else "eager"
-
-
-def make_attention_backend(name: str, device: torch.device,
-                           graph_mode: str = "eager") -> AttentionBackend:
-    """Pick the attention backend; whole-model graphs need a graph-safe one."""
-    if name == "torch_dense" or (name == "auto" and device.type != "cuda"
-                                 and graph_mode in WHOLE_MODEL_MODES):
-        return TorchDenseAttentionBackend()
-    if name == "torch":
-        if graph_mode in WHOLE_MODEL_MODES:
-            raise ValueError(
-                f"attention_backend='torch' cannot be captured in cuda_graph_mode={graph_mode!r} "
-                "(it reads lengths on the host): use triton, torch_dense or piecewise"
-            )
-        return TorchAttentionBackend()
-    if name == "auto" and device.type != "cuda":
-        return TorchAttentionBackend()
-    try:
-        from replaylm.attention.triton_backend import TritonAttentionBackend
-    except ImportError as e:
-        if name == "triton":
-            raise ValueError(f"attention_backend='triton' is unavailable: {e}") from e
-        log.warning("Triton attention unavailable (%s); using the torch reference", e)
-        return TorchAttentionBackend()
-    return TritonAttentionBackend()
+def make_attention_backend(requested: str, device: torch.device, mode: str) -> AttentionBackend:
+    """The attention backend for ``mode`` (``graphs.policy.attention_backend_name``)."""
+    triton_backend = None
+    if requested == "triton" or (requested == "auto" and device.type == "cuda"):
+        try:
+            from replaylm.attention.triton_backend import TritonAttentionBackend as triton_backend
+        except ImportError as e:
+            log.debug("Triton attention does not import: %s", e)
+    name = attention_backend_name(requested, device.type, mode, triton_backend is not None)
+    if name == "triton":
+        return triton_backend()
+    return TorchDenseAttentionBackend() if name == "torch_dense" else TorchAttentionBackend()
 
 
 class ModelRunner:
@@ -90,21 +66,26 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        self.graph_mode = resolve_graph_mode(args, self.device)
-        self.decode_tiers, self.token_tiers, self.tier_report = self._resolve_tiers()
+        self.graph_mode = resolve_mode(args.cuda_graph_mode, args.enforce_eager, self.device.type)
+        self.policy = GraphPolicy.resolve(
+            self.graph_mode, graph_tiers=args.graph_tiers, max_graph_tokens=args.max_graph_tokens,
+            max_graphs=args.max_graphs, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
+        self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
+        self.pdl = self._configure_pdl()
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
         )
         self.load_seconds = time.perf_counter() - t0
-        self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.model.poison_padding = args.poison_padding
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
         self.model.rope_in_attention_max_reqs = (
-            rope_in_attention_limit(self.graph_mode) if self.model.kernels is not None else 0)
+            self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
+            if self.model.kernels is not None else 0)
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
@@ -114,9 +95,8 @@ class ModelRunner:
                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
                              rope=self.model.rope_in_attention_max_reqs > 0, qk_norm=cfg.qk_norm)
         self.graphs = GraphRuntime(
-            self.model, self.graph_mode, self.device, max_num_seqs=args.max_num_seqs,
+            self.model, self.policy, self.device, max_num_seqs=args.max_num_seqs,
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
-            decode_tiers=self.decode_tiers, token_tiers=self.token_tiers,
             host_attn_lengths=not self.attn.graph_safe,
             eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
             graph_check=args.graph_check,
@@ -124,54 +104,35 @@ class ModelRunner:
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
         self._warm_sampler()
-        self.tune_seconds = self._tune_linears()
+        self.tune_seconds = self._tune_kernels()
         self.graphs.capture()
 
-    def _resolve_tiers(self) -> tuple[list[int], list[int], str]:
-        args = self.args
-        if self.graph_mode == "eager":
-            return [], [], "eager: no graphs"
-        cap = args.max_graph_tokens
-        decode_default = default_decode_tiers(min(args.max_num_seqs, cap))
-        token_default = default_token_tiers(min(cap, args.max_num_batched_tokens))
-        keyed_by_tokens = self.graph_mode != "full"
-        tiers, report = parse_graph_tiers(
-            args.graph_tiers, default=token_default if keyed_by_tokens else decode_default,
-            limit=cap, max_graphs=args.max_graphs, what="max_graph_tokens",
-        )
-        # Full graphs are keyed by request count, so tiers above max_num_seqs never replay.
-        decode = [t for t in tiers if t <= args.max_num_seqs] or [1]
-        if args.graph_tiers is None:
-            decode, tiers = decode_default, token_default
-        log.info("graph tiers (%s): %s", self.graph_mode, report)
-        return decode, tiers, report
+    def _configure_pdl(self) -> bool:
+        """Apply ``EngineArgs.pdl`` to the Triton kernels (process-wide); returns whether
+        they launch with PDL."""
+        if self.attn.name != "triton":
+            if self.args.pdl == "on":
+                raise ValueError("EngineArgs.pdl='on' needs the Triton kernels (CUDA with "
+                                 "attention_backend triton or auto)")
+            return False
+        from replaylm.kernels import pdl
 
-    @torch.inference_mode()
-    def _tune_linears(self) -> float:
-        """Decide the projections' kernels (``kernels.gemv.choose``) for every graph tier with
-        few enough tokens, before capture, so capture time is capture alone. Decisions are
-        cached on disk; returns the seconds spent."""
+        return pdl.configure(self.args.pdl)
+
+    def _tune_kernels(self) -> float:
+        """Decide the projections' kernels (``kernels.tuner``) at every row count a graph
+        tier can run them with, before capture, so capture time is capture alone: the model
+        runs each of its dense calls once at that size. Decisions are cached on disk;
+        returns the seconds spent."""
         if self.model.kernels is None:
             return 0.0
-        from replaylm.kernels.gemv import MAX_M
+        from replaylm.kernels.skinny import MAX_M
 
-        kops = self.model.kernels
         start = time.perf_counter()
-        sizes = sorted({t for t in self.decode_tiers + self.token_tiers if t <= MAX_M} | {1})
-        layer = self.model.layers[0]
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
+        tiers = self.policy.decode_tiers + self.policy.token_tiers
+        sizes = sorted({t for t in tiers if t <= MAX_M} | {1})
         for m in sizes:
-            zeros = functools.partial(torch.zeros, m, dtype=self.dtype, device=self.device)
-            # The calls of one decoder layer (``DecoderLayer.before`` / ``after``).
-            for residual in (None, zeros(cfg.hidden_size)):  # layer 0 has no residual yet
-                kops.norm_linear(zeros(cfg.hidden_size), residual, layer.input_layernorm.weight,
-                                 eps, layer.qkv_proj.weight, layer.qkv_proj.bias)
-            kops.linear(zeros(cfg.q_size), layer.o_proj.weight)
-            kops.norm_linear(zeros(cfg.hidden_size), zeros(cfg.hidden_size),
-                             layer.post_attention_layernorm.weight, eps,
-                             layer.gate_up_proj.weight)
-            kops.silu_linear(zeros(2 * cfg.intermediate_size), layer.down_proj.weight)
+            self.model.run_dense_calls(m)
         seconds = time.perf_counter() - start
         log.info("projection kernels chosen for %d row counts in %.2f s (cached on disk)",
                  len(sizes), seconds)
@@ -226,17 +187,17 @@ class ModelRunner:
         """Memory the graphs will hold, reserved before the KV pool is sized.
 
         Graphs share one pool, captured largest first, so it holds about one activation peak
-        of the top tier (scaled from the profiling run), plus static buffers and logits.
+        of the top tier (scaled from the profiling run), plus the runners' static buffers.
         """
-        if self.graph_mode == "eager":
+        top = self.policy.top_tier
+        if top == 0:
             return 0
-        top = max(self.decode_tiers + self.token_tiers)
         profiled = min(self.args.max_num_batched_tokens, self.max_model_len)
         acts = profile_peak * min(1.0, top / profiled)
-        if self.graph_mode in PIECEWISE_MODES:
-            acts += 4 * top * self.cfg.q_size * self.dtype.itemsize  # link buffers
-        logits = min(top, self.args.max_num_seqs) * self.cfg.vocab_size * 4
-        return int(acts + logits + 64 * 2**20)
+        static = GraphRuntime.estimate_static_bytes(
+            self.policy, vocab_size=self.cfg.vocab_size, q_size=self.cfg.q_size,
+            dtype=self.dtype, max_num_seqs=self.args.max_num_seqs)
+        return int(acts + static + 64 * 2**20)
 
     @torch.inference_mode()
     def _profile_activation_peak(self) -> int:
@@ -311,8 +272,7 @@ class ModelRunner:
         """An eager step that also returns logits of prompt-logprob rows (after the sampled
         rows): graphs size their logits rows for sampling only, so such steps skip them."""
         reason = "prompt_logprobs"
-        fallbacks = self.graphs.stats.fallbacks
-        fallbacks[reason] = fallbacks.get(reason, 0) + 1
+        self.graphs.stats.fallback(reason)
         batch = to_device(host, self.last_token, self.buffers.slot_tables, self.device,
                           not self.attn.graph_safe)
         rows = torch.cat([batch.logits_indices, plan.rows])

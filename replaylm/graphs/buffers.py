@@ -18,7 +18,7 @@ Inputs that stay on the device:
   the blocks a request gained since its last step are copied). A step's block table is a
   gather of its requests' rows. Row ``S`` is all zeros: padded requests point at it.
 
-Padding (DESIGN.md): padded tokens write scratch block 0 and belong to no request
+Padding (``replaylm.batch``): padded tokens write scratch block 0 and belong to no request
 (``cu_seqlens_q[B..] = T``), padded requests have ``kv_lens = 0`` and the zero table row,
 padded logits rows read row 0 and write their sample to the scratch slot ``S``.
 """
@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replaylm.attention.backend import AttentionMetadata
-from replaylm.engine.batch import ForwardBatch, HostBatch
+from replaylm.batch import AttentionMetadata, ForwardBatch, HostBatch
 
 
 @dataclass(frozen=True)
@@ -111,6 +110,16 @@ class StaticBuffers:
                  "cu_seqlens_q", "kv_lens", "req_slots", "block_table", "slot_tables",
                  "logits_indices", "sample_slots", "sample_out_pos")
         return {n: (lambda n=n: getattr(self, n)) for n in names}
+
+    def fill_padding(self) -> None:
+        """An all-padding batch (what a capture records): every token writes block 0, reads
+        token 0, and samples into the scratch slot."""
+        for t in (self.input_ids, self.positions, self.slot_mapping, self.kv_lens,
+                  self.cu_seqlens_q, self.block_table, self.logits_indices, self.sample_out_pos):
+            t.zero_()
+        self.gather.fill_(self.num_slots + 1)
+        self.req_slots.fill_(self.scratch_slot)
+        self.sample_slots.fill_(self.scratch_slot)
 
     def fits(self, host: HostBatch) -> bool:
         return host.num_tokens <= self.max_tokens and host.num_reqs <= self.max_reqs

@@ -1,7 +1,7 @@
 """Store the new tokens' K/V into the paged cache, driven by ``slot_mapping``.
 
 One program per token copies all of its KV heads; padded tokens carry a slot in scratch
-block 0 (DESIGN.md), so they write harmlessly and need no branch. A negative slot is also
+block 0 (``replaylm.batch``), so they write harmlessly and need no branch. A negative slot is also
 skipped, which lets callers mark tokens that must not write at all.
 """
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.attention.backend import BLOCK_SIZE
+from replaylm.batch import BLOCK_SIZE
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

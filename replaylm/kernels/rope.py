@@ -1,7 +1,7 @@
 """Per-head RMSNorm (Qwen3's q/k norm) and neox rotary, as a Triton helper shared by the
-rotary kernel (``fused.rotary``), the qkv projection that rotates its own output
-(``gemv.skinny_norm_linear_rope``) and decode attention that rotates its own q and new key
-(``attention.paged_attention(rope=...)``), so all three round exactly as the torch path does."""
+rotary kernel (``elementwise.rotary``) and decode attention that rotates its own q and new
+key (``attention.paged_attention(rope=...)``), so both round exactly as the torch path
+does."""
 
 from __future__ import annotations
 

@@ -8,48 +8,26 @@ SiLU-and-mul, down). The model is then
 
 and ``forward`` runs exactly these links in order: ``first_link``, then per layer
 ``attention`` and ``link`` (the last link is ``final_link``). A piecewise graph captures each
-dense link; a full graph captures the whole of ``forward``. With fused Triton kernels in a
-whole-model mode, a decode step of at most ``rope_in_attention_max_reqs`` request slots
-(``rope_in_attention_limit``) ends its "before" part at the qkv projection, and the
-attention launch does the q/k norm, rotary and KV write itself.
+dense link; a full graph captures the whole of ``forward``. With the fused Triton kernels,
+a decode step of at most ``rope_in_attention_max_reqs`` request slots (set by the runner)
+ends its "before" part at the qkv projection, and the attention launch does the q/k norm,
+rotary and KV write itself.
+
+The dense ops come from ``kernels.ops`` (CUDA, fused Triton kernels) or ``kernels.ref``
+(torch), which have the same names and signatures.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 from torch import nn
 
-from replaylm.attention.backend import AttentionBackend, AttentionMetadata
-from replaylm.config import PIECEWISE_MODES
-from replaylm.model import ops
+from replaylm.attention.backend import AttentionBackend
+from replaylm.batch import AttentionMetadata
+from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
-
-
-def rope_in_attention_limit(graph_mode: str) -> int:
-    """Up to how many request slots a decode step with the fused kernels leaves q/k norm,
-    rotary and the KV write to the attention launch (one kernel fewer per layer); 0: never.
-
-    Only where the model is graphed whole (a piecewise graph fixes the attention input's
-    shape). ``REPLAYLM_ROPE_IN_ATTENTION=N`` sets the limit; the default, 1, is what was
-    measured. Session 7, with the PDL trigger before the wait: Qwen3-0.6B batch 1 went from
-    1,300 to 1,340 tok/s with it, Llama-3.2-1B stayed level (1,054 against 1,056). Larger
-    batches are unmeasured: with its pre-wait K/V block and 4-wide merge (session 8) the
-    fused launch needs 222 registers per thread against 128 (Qwen3-0.6B, ``bench.ptxas``),
-    so 2 attention programs fit on an SM instead of 4; a wider split merge alone cost 8% at
-    batch 2 in session 6.
-    """
-    if graph_mode in PIECEWISE_MODES:
-        return 0
-    raw = os.environ.get("REPLAYLM_ROPE_IN_ATTENTION", "1")
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"REPLAYLM_ROPE_IN_ATTENTION must be a request count >= 0, got {raw!r}")
-    return limit
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +51,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
-        self.kernels = None  # replaylm.kernels.fused on CUDA (see CausalLM.use_fused_kernels)
+        self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
 
     def before(
         self,
@@ -83,43 +61,28 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
-        attn: AttentionBackend,
         defer_rope: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add + norm, qkv, (q/k norm), rotary, KV write; returns ``(q, residual)``.
         With ``defer_rope`` (fused kernels, decode steps) it stops after the projection and
-        returns the raw ``qkv``: attention does the rest (``CausalLM.attention``).
-
-        ``self.kernels`` (CUDA) or ``ops`` (torch) supply the ops, with the same signatures."""
+        returns the raw ``qkv``: attention does the rest (``CausalLM.attention``)."""
         cfg = self.cfg
-        kops = self.kernels
-        norm_args = (hidden, residual, self.input_layernorm.weight, cfg.rms_norm_eps,
-                     self.qkv_proj.weight, self.qkv_proj.bias)
-        if kops and not defer_rope:
-            # The rotary kernel's work (q/k norm, rotary, KV write) after the projection, or
-            # at a few rows inside the projection's own launch (REPLAYLM_ROPE_IN_QKV=1).
-            return kops.norm_linear_rope(*norm_args, kops.QkvRope(
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                positions=positions, cos_sin=cos_sin, k_cache=kv_cache[0], v_cache=kv_cache[1],
-                slot_mapping=slot_mapping,
-                q_norm_weight=self.q_norm.weight if cfg.qk_norm else None,
-                k_norm_weight=self.k_norm.weight if cfg.qk_norm else None, eps=cfg.rms_norm_eps,
-            ))
-        qkv, residual = (kops or ops).norm_linear(*norm_args)
+        k = self.kernels or ref
+        qkv, residual = k.norm_linear(hidden, residual, self.input_layernorm.weight,
+                                      cfg.rms_norm_eps, self.qkv_proj.weight, self.qkv_proj.bias)
         if defer_rope:
             return qkv, residual
-        q, k, v = ops.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, self.k_norm.weight, cfg.rms_norm_eps)
-        q = ops.apply_rotary(q, positions, cos_sin)
-        k = ops.apply_rotary(k, positions, cos_sin)
-        attn.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, _ = k.rotary(q, key, positions, cos_sin,
+                        q_norm_weight=self.q_norm.weight if cfg.qk_norm else None,
+                        k_norm_weight=self.k_norm.weight if cfg.qk_norm else None,
+                        eps=cfg.rms_norm_eps, v=v, k_cache=kv_cache[0], v_cache=kv_cache[1],
+                        slot_mapping=slot_mapping)
         return q, residual
 
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
-        k = self.kernels or ops
+        k = self.kernels or ref
         hidden = k.linear(attn_out.flatten(1), self.o_proj.weight)
         gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
                                           self.cfg.rms_norm_eps, self.gate_up_proj.weight)
@@ -166,7 +129,7 @@ class CausalLM(nn.Module):
         """Swap the torch ops of the dense links for the fused Triton kernels (CUDA only)."""
         mod = None
         if enabled:
-            from replaylm.kernels import fused as mod
+            from replaylm.kernels import ops as mod
         for layer in self.layers:
             layer.kernels = mod
         self.kernels = mod
@@ -191,12 +154,9 @@ class CausalLM(nn.Module):
     def final_link(self, attn_out, residual, rows: torch.Tensor | None = None) -> torch.Tensor:
         """after_last + the final norm, of ``rows`` only when given (in one launch on CUDA)."""
         hidden, residual = self.layers[-1].after(attn_out, residual)
-        w, eps = self.norm.weight, self.cfg.rms_norm_eps
-        if self.kernels:
-            return self.kernels.fused_add_rmsnorm(hidden, residual, w, eps, rows=rows)[0]
-        if rows is not None:
-            hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
-        return ops.add_rms_norm(hidden, residual, w, eps)[0]
+        k = self.kernels or ref
+        return k.add_rms_norm(hidden, residual, self.norm.weight, self.cfg.rms_norm_eps,
+                              rows=rows)[0]
 
     def attention(self, i: int, q: torch.Tensor, meta: AttentionMetadata,
                   positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,7 +171,7 @@ class CausalLM(nn.Module):
 
         cfg, layer = self.cfg, self.layers[i]
         assert positions is not None, "rotary inside attention needs the positions"
-        q, k, v = ops.split_qkv(q, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = ref.split_qkv(q, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         rope = RopeInputs(
             k=k, v=v, positions=positions, cos_sin=self.cos_sin, slot_mapping=meta.slot_mapping,
             q_norm_weight=layer.q_norm.weight if cfg.qk_norm else None,
@@ -227,7 +187,7 @@ class CausalLM(nn.Module):
     def _before(self, i, hidden, residual, positions, meta):
         return self.layers[i].before(
             hidden, residual, positions, self.cos_sin, self.kv_caches[i], meta.slot_mapping,
-            self.attn, defer_rope=self._defer_rope(meta),
+            defer_rope=self._defer_rope(meta),
         )
 
     # Whole model ----------------------------------------------------------------------------
@@ -248,11 +208,28 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``hidden``'s rows: fp32, or written into ``out`` (model dtype), which lets
         every graph share one static logits buffer instead of each keeping its own. With the
-        fused kernels the latter is the projections' ``linear``: at a few rows the skinny
-        kernel streams the 151936-row Qwen3 head at 4.3 TB/s against cuBLAS' 4.0 (H200)."""
+        fused kernels the latter is the projections' tuned ``linear`` (at a few rows the skinny
+        kernel streams a large vocabulary's head faster than cuBLAS)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if out is None:
             return torch.nn.functional.linear(hidden, weight).float()
-        if self.kernels:
-            return self.kernels.linear(hidden, weight, out=out)
-        return torch.mm(hidden, weight.t(), out=out)
+        return (self.kernels or ref).linear(hidden, weight, out=out)
+
+    @torch.inference_mode()
+    def run_dense_calls(self, num_rows: int) -> None:
+        """Run every dense call of a decode step once on ``num_rows`` zero rows: one layer's
+        projections with their fused prologues (first layer without a residual, later ones
+        with), and the LM head into a logits buffer. With the fused kernels this decides each
+        shape's kernel (``kernels.tuner``) before any capture. Writes only scratch KV block 0.
+        """
+        cfg = self.cfg
+        weight = self.embed_tokens.weight
+        zeros = functools.partial(torch.zeros, num_rows, dtype=weight.dtype, device=weight.device)
+        slots = torch.zeros(num_rows, dtype=torch.long, device=weight.device)  # scratch block
+        layer = self.layers[0]
+        residual = None
+        for res_in in (None, zeros(cfg.hidden_size)):
+            _, residual = layer.before(zeros(cfg.hidden_size), res_in, slots, self.cos_sin,
+                                       self.kv_caches[0], slots)
+        layer.after(zeros(cfg.num_heads, cfg.head_dim), residual)
+        self.compute_logits(zeros(cfg.hidden_size), out=zeros(cfg.vocab_size))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from replaylm.env import cache_dir
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 
@@ -157,10 +157,6 @@ def load_model(
     else:
         load_weights(model, iter_checkpoint(checkpoint_files(model_dir)))
     return model.eval()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("REPLAYLM_CACHE", Path.home() / ".cache" / "replaylm"))
 
 
 def default_model_weights(cfg: ModelConfig, seed: int = 0) -> Path:

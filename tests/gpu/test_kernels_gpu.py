@@ -16,15 +16,15 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata  # noqa: E402
-from replaylm.attention.torch_ref import attention_ref, write_kv_ref  # noqa: E402
+from replaylm.attention.torch_ref import attention_ref  # noqa: E402
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata  # noqa: E402
 
 if isinstance(triton.language.sum, InterpretedFunction):
     pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
 
 from replaylm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from replaylm.kernels import attention as attn  # noqa: E402
-from replaylm.kernels import fused  # noqa: E402
+from replaylm.kernels import elementwise, ops, ref, skinny, tuner  # noqa: E402
 from tests import attn_helpers  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -33,6 +33,11 @@ DEV = torch.device("cuda")
 def make_batch(q_lens, kv_lens, **kw):
     """``tests.attn_helpers.make_batch`` on the GPU."""
     return attn_helpers.make_batch(q_lens, kv_lens, device=DEV, **kw)
+
+
+def linear_fp32(x, w, b=None):
+    """``ref.linear`` accumulated in fp32, rounded to ``x``'s dtype."""
+    return ref.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
 def check(out, q, kc, vc, meta, tol=2e-2):
@@ -102,7 +107,7 @@ def test_decode_attention_with_rope_gpu(splits, hq, hkv, d, qk_norm):
         norms = dict(q_norm_weight=torch.randn(d, device=DEV, dtype=torch.bfloat16),
                      k_norm_weight=torch.randn(d, device=DEV, dtype=torch.bfloat16), eps=1e-6)
     kc2, vc2 = kc.clone(), vc.clone()
-    q_rot, _ = fused.rotary(q, k_new, positions, cos_sin, v=v_new, k_cache=kc2, v_cache=vc2,
+    q_rot, _ = elementwise.rotary(q, k_new, positions, cos_sin, v=v_new, k_cache=kc2, v_cache=vc2,
                             slot_mapping=slots, **norms)
     want = run(q_rot, kc2, vc2, meta, num_splits=splits)
     rope = attn.RopeInputs(k=k_new, v=v_new, positions=positions, cos_sin=cos_sin,
@@ -170,7 +175,7 @@ def test_write_kv_strided():
     slots[-3:] = 0
     caches = [torch.zeros(6, BLOCK_SIZE, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
     TritonAttentionBackend().write_kv(k, v, caches[0], caches[1], slots)
-    write_kv_ref(k, v, caches[2], caches[3], slots)
+    ref.write_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0][1:], caches[2][1:]) and torch.equal(caches[1][1:], caches[3][1:])
 
 
@@ -182,17 +187,17 @@ def test_fused_kernels(dtype):
     res = torch.randn(t, h, device=DEV, dtype=dtype, generator=g)
     w = torch.randn(h, device=DEV, dtype=dtype, generator=g)
     for r in (None, res):
-        out, new_res = fused.fused_add_rmsnorm(x, r, w, 1e-5)
-        ref_out, ref_res = fused.fused_add_rmsnorm_ref(x, r, w, 1e-5)
+        out, new_res = elementwise.add_rms_norm(x, r, w, 1e-5)
+        ref_out, ref_res = ref.add_rms_norm(x, r, w, 1e-5)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=1e-2)
         rows = torch.tensor([32, 0, 7, 7], device=DEV)  # a step's final norm on its logits rows
-        out, new_res = fused.fused_add_rmsnorm(x, r, w, 1e-5, rows=rows)
-        ref_out, ref_res = fused.fused_add_rmsnorm_ref(x, r, w, 1e-5, rows=rows)
+        out, new_res = elementwise.add_rms_norm(x, r, w, 1e-5, rows=rows)
+        ref_out, ref_res = ref.add_rms_norm(x, r, w, 1e-5, rows=rows)
         assert torch.equal(new_res, ref_res)
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=1e-2)
     gate_up = torch.randn(t, 2 * inter, device=DEV, dtype=dtype, generator=g)
-    torch.testing.assert_close(fused.silu_and_mul(gate_up), fused.silu_and_mul_ref(gate_up),
+    torch.testing.assert_close(elementwise.silu_and_mul(gate_up), ref.silu_and_mul(gate_up),
                                atol=1e-2, rtol=1e-2)
 
 
@@ -215,10 +220,10 @@ def test_rotary_fused(qk_norm, d, t):
                   k_norm_weight=torch.randn(d, device=DEV, dtype=dtype), eps=1e-6)
     caches = [torch.zeros(4, BLOCK_SIZE, hkv, d, device=DEV, dtype=dtype) for _ in range(4)]
     slots = torch.arange(16, 16 + t, device=DEV)
-    qo, ko = fused.rotary(q, k, positions, cos_sin, v=v, k_cache=caches[0], v_cache=caches[1],
-                          slot_mapping=slots, **kw)
-    qr, kr = fused.rotary_ref(q, k, positions, cos_sin, v=v, k_cache=caches[2],
-                              v_cache=caches[3], slot_mapping=slots, **kw)
+    qo, ko = elementwise.rotary(q, k, positions, cos_sin, v=v, k_cache=caches[0],
+                                v_cache=caches[1], slot_mapping=slots, **kw)
+    qr, kr = ref.rotary(q, k, positions, cos_sin, v=v, k_cache=caches[2], v_cache=caches[3],
+                        slot_mapping=slots, **kw)
     torch.testing.assert_close(qo, qr, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(ko, kr, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(caches[0], caches[2], atol=2e-2, rtol=1e-2)
@@ -229,36 +234,30 @@ def test_rotary_fused(qk_norm, d, t):
 @pytest.mark.parametrize("n,k", [(3072, 2048), (1024, 3072), (6144, 1024), (4096, 14336)])
 def test_skinny_linear_gpu(m, n, k):
     """The decode projection kernel vs fp32 torch, bf16 weights; repeatable to the bit."""
-    from replaylm.kernels.gemv import skinny_linear, skinny_linear_ref
-
     g = torch.Generator(device=DEV).manual_seed(n + m)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
     b = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g)
-    got = skinny_linear(x, w, b)
-    torch.testing.assert_close(got, skinny_linear_ref(x, w, b), atol=2e-2, rtol=2e-2)
-    assert torch.equal(got, skinny_linear(x, w, b))
-    from replaylm.kernels.gemv import LINEAR_CHOICES, linear
-
-    chosen = linear(x, w, b)  # measures both once, then keeps the faster
+    got = skinny.skinny_linear(x, w, b)
+    torch.testing.assert_close(got, linear_fp32(x, w, b), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got, skinny.skinny_linear(x, w, b))
+    chosen = ops.linear(x, w, b)  # measures both once, then keeps the faster
     if m <= 8:
-        assert ("plain", m, n, k, x.dtype, True) in LINEAR_CHOICES
-    torch.testing.assert_close(chosen, skinny_linear_ref(x, w, b), atol=2e-2, rtol=2e-2)
-    assert torch.equal(chosen, linear(x, w, b))
+        assert ("plain", m, n, k, x.dtype, True) in tuner.LINEAR_CHOICES
+    torch.testing.assert_close(chosen, linear_fp32(x, w, b), atol=2e-2, rtol=2e-2)
+    assert torch.equal(chosen, ops.linear(x, w, b))
 
 
 @pytest.mark.parametrize("m", [1, 3])
 def test_lm_head_linear_gpu(m):
     """The LM head through ``linear`` into a given logits buffer (the graphs' shared one):
     whichever of cuBLAS and the skinny kernel it picks, the buffer holds the product."""
-    from replaylm.kernels.gemv import linear, skinny_linear_ref
-
     g = torch.Generator(device=DEV).manual_seed(m)
     x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16, generator=g)
     w = torch.randn(151936, 1024, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
     out = torch.full((m, 151936), float("nan"), device=DEV, dtype=torch.bfloat16)
-    assert linear(x, w, out=out) is out
-    torch.testing.assert_close(out, skinny_linear_ref(x, w).to(out.dtype), atol=2e-2, rtol=2e-2)
+    assert ops.linear(x, w, out=out) is out
+    torch.testing.assert_close(out, linear_fp32(x, w), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -267,84 +266,27 @@ def test_fused_prologue_linear_gpu(m, n, k):
     """Add + RMSNorm and SiLU·mul folded into the projection, bf16: the new residual is
     exact, the output matches the separate ops within a bf16 ulp of the input and fp32
     accumulation order, and the layers' dispatchers record their measured choices."""
-    from replaylm.kernels import fused, gemv
-
     g = torch.Generator(device=DEV).manual_seed(n + k + m)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     res = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     nw = torch.rand(k, device=DEV, dtype=torch.bfloat16, generator=g) + 0.5
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
-    y, new_res = gemv.skinny_norm_linear(x, res, nw, 1e-6, w)
-    ref_y, ref_res = gemv.skinny_norm_linear_ref(x, res, nw, 1e-6, w)
+    y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w)
+    normed, ref_res = ref.add_rms_norm(x, res, nw, 1e-6)
+    ref_y = linear_fp32(normed, w)
     assert torch.equal(new_res, ref_res)
     torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
-    assert torch.equal(y, gemv.skinny_norm_linear(x, res, nw, 1e-6, w)[0])
-    y, new_res = fused.norm_linear(x, res, nw, 1e-6, w)
+    assert torch.equal(y, skinny.skinny_norm_linear(x, res, nw, 1e-6, w)[0])
+    y, new_res = ops.norm_linear(x, res, nw, 1e-6, w)
     torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
     assert torch.equal(new_res, ref_res)
-    assert ("norm", m, n, k, x.dtype, False) in gemv.LINEAR_CHOICES
+    assert ("norm", m, n, k, x.dtype, False) in tuner.LINEAR_CHOICES
 
     gate_up = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16, generator=g)
-    ref = gemv.skinny_silu_linear_ref(gate_up, w)
-    torch.testing.assert_close(gemv.skinny_silu_linear(gate_up, w), ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(fused.silu_linear(gate_up, w), ref, atol=2e-2, rtol=2e-2)
-    assert ("silu", m, n, k, x.dtype, False) in gemv.LINEAR_CHOICES
-
-
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("shape", ["qwen3", "qwen2"])  # q/k norm; bias without q/k norm
-def test_norm_linear_rope_gpu(m, shape):
-    """The qkv projection doing the rotary work in its own launch equals, to the bit, the same
-    projection tile followed by the rotary kernel (q, k cache, v cache), eagerly and in
-    repeated CUDA graph replays (the per-head arrival counts reset themselves)."""
-    from replaylm.kernels import gemv
-
-    hq, hkv, d, hidden = (16, 8, 128, 1024) if shape == "qwen3" else (14, 2, 64, 896)
-    dt = torch.bfloat16
-    g = torch.Generator(device=DEV).manual_seed(m)
-    x, res = (torch.randn(m, hidden, device=DEV, dtype=dt, generator=g) for _ in range(2))
-    nw = torch.rand(hidden, device=DEV, dtype=dt, generator=g) + 0.5
-    w = torch.randn((hq + 2 * hkv) * d, hidden, device=DEV, dtype=dt, generator=g) * 0.03
-    b = torch.randn(w.shape[0], device=DEV, dtype=dt, generator=g) if shape == "qwen2" else None
-    norms = {}
-    if shape == "qwen3":
-        norms = dict(q_norm_weight=torch.rand(d, device=DEV, dtype=dt, generator=g) + 0.5,
-                     k_norm_weight=torch.rand(d, device=DEV, dtype=dt, generator=g) + 0.5)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEV).float() / d))
-    freqs = torch.outer(torch.arange(4096, device=DEV).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
-    positions = torch.randint(0, 4096, (m,), device=DEV, generator=g)
-    slots = torch.randperm(8 * BLOCK_SIZE, device=DEV, generator=g)[:m]
-    slots[m // 2] = -1
-    caches = [torch.zeros(8, BLOCK_SIZE, hkv, d, device=DEV, dtype=dt) for _ in range(4)]
-    rope = gemv.QkvRope(num_heads=hq, num_kv_heads=hkv, head_dim=d, positions=positions,
-                        cos_sin=cos_sin, k_cache=caches[0], v_cache=caches[1],
-                        slot_mapping=slots, eps=1e-6, **norms)
-    bm = triton.next_power_of_2(m)
-    for cfg in ((bm, 4, 1024, 4), (bm, 8, 512, 4), (bm, 16, 256, 8)):
-        qkv, ref_res = gemv.skinny_norm_linear(x, res, nw, 1e-6, w, b, config=cfg)
-        q_ref, _ = fused.rotary(
-            qkv[:, :hq * d].view(m, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(m, hkv, d),
-            positions, cos_sin, eps=1e-6, v=qkv[:, (hq + hkv) * d:].view(m, hkv, d),
-            k_cache=caches[2], v_cache=caches[3], slot_mapping=slots, **norms)
-        for c in caches[:2]:
-            c.zero_()
-        q, new_res = gemv.skinny_norm_linear_rope(x, res, nw, 1e-6, w, b, cfg, rope)
-        assert torch.equal(new_res, ref_res) and torch.equal(q, q_ref)
-        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            q_g, _ = gemv.skinny_norm_linear_rope(x, res, nw, 1e-6, w, b, cfg, rope)
-        for _ in range(3):
-            for c in caches[:2]:
-                c.zero_()
-            q_g.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(q_g, q_ref) and torch.equal(caches[0], caches[2])
-            assert torch.equal(caches[1], caches[3])
-        graph.reset()
-    assert not gemv._head_counters(DEV).any()
+    want = linear_fp32(ref.silu_and_mul(gate_up), w)
+    torch.testing.assert_close(skinny.skinny_silu_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ops.silu_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
+    assert ("silu", m, n, k, x.dtype, False) in tuner.LINEAR_CHOICES
 
 
 def test_argmax_rows_gpu():

@@ -25,7 +25,7 @@ def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
 
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
                                                attn_implementation="sdpa").to(DEV).eval()
-    model = bound_model(path, make_attention_backend(backend, DEV), torch.bfloat16, DEV)
+    model = bound_model(path, make_attention_backend(backend, DEV, "eager"), torch.bfloat16, DEV)
     blocks = [3, 7, 1, 9, 4, 5]
     prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(1))
     ours = model.compute_logits(model(prompt.to(DEV), torch.arange(37, device=DEV),
@@ -64,7 +64,7 @@ def test_engine_backends_agree_on_gpu(tiny_checkpoint):
     assert same >= 3, outs  # fp32 on the GPU: at most a rare near-tie may flip
 
 
-def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint, monkeypatch):
+def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint):
     """Graphed batch-1 decode with q/k norm, rotary and the KV write inside attention gives
     the same greedy tokens as with the separate rotary kernel (same rounding throughout)."""
     _, path, _ = tiny_checkpoint
@@ -72,15 +72,15 @@ def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint, monkeypatch):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", flag)
-        llm = LLM(str(path), dtype="float32", num_kv_blocks=128, skip_tokenizer_init=True)
-        assert llm.engine.runner.model.rope_in_attention_max_reqs == int(flag)
-        outs[flag] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for limit in (0, 1):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=128, skip_tokenizer_init=True,
+                  rope_in_attention_max_reqs=limit)
+        assert llm.engine.runner.model.rope_in_attention_max_reqs == limit
+        outs[limit] = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
                       for p in prompts]
         assert llm.graph_stats()["hits"].get("ragged:1", 0) >= 40  # batch-1 decode, graphed
         del llm
-    assert outs["0"] == outs["1"]
+    assert outs[0] == outs[1]
 
 
 def test_named_shape_dummy_runs(tmp_path):

@@ -1,107 +1,28 @@
-"""Fused decode-path kernels, each with the torch reference it must match beside it.
+"""Elementwise decode-path kernels: add + RMSNorm, SiLU·mul, and the rotary kernel.
 
-The kernels round intermediate values to the model dtype exactly where transformers'
-Llama/Qwen modules do (RMSNorm output before the weight multiply, each rotary product, the
-SiLU output), so on the GPU they agree with the torch path to the last bit or one ulp rather
-than merely "within tolerance".
+Each matches its torch reference in ``kernels.ref`` (same name, same arguments): the kernels
+round intermediate values to the model dtype exactly where transformers' Llama/Qwen modules
+do (RMSNorm output before the weight multiply, each rotary product, the SiLU output), so on
+the GPU they agree with the torch path to the last bit or one ulp rather than merely "within
+tolerance".
 
-* :func:`fused_add_rmsnorm` — ``residual += x`` then RMSNorm, one read of each input.
+* :func:`add_rms_norm` — ``residual += x`` then RMSNorm, one read of each input.
 * :func:`silu_and_mul` — ``silu(gate) * up`` on the packed ``[T, 2I]`` gate_up output.
 * :func:`rotary` — neox rotary on q and k, optionally preceded by Qwen3's per-head q/k
   RMSNorm and followed by the KV-cache write of k and v (one launch for the whole
-  post-projection part of the "before" segment).
-* ``linear`` — the projections (``replaylm.kernels.gemv``: at a few rows, the faster of
-  cuBLAS and a weight-streaming kernel, measured per shape; cuBLAS above ``MAX_M`` rows).
-* :func:`norm_linear` / :func:`silu_linear` — ``fused_add_rmsnorm`` or ``silu_and_mul``
-  followed by ``linear``; at a few rows, when measured faster, one skinny-kernel launch
-  that computes its own input rows.
-* :func:`norm_linear_rope` — ``norm_linear`` of the qkv projection then :func:`rotary`;
-  where the former is one skinny-kernel launch, that launch also does the rotary work.
+  post-projection part of a layer's "before" segment).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from replaylm.attention.backend import BLOCK_SIZE
-from replaylm.kernels import gemv, pdl
-from replaylm.kernels.gemv import QkvRope, linear  # noqa: F401  (the layers' ops)
+from replaylm.batch import BLOCK_SIZE
+from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
 from replaylm.kernels.rope import norm_rope
-from replaylm.model.ops import split_qkv
-
-# --------------------------------------------------------------------------- references
-
-
-def fused_add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: ``new_residual = x + residual`` (or ``x``), ``normed = rmsnorm(it)``;
-    with ``rows``, of those rows only."""
-    if rows is not None:
-        x = x.index_select(0, rows)
-        residual = None if residual is None else residual.index_select(0, rows)
-    new_residual = x if residual is None else x + residual
-    r32 = new_residual.float()
-    normed = (r32 * torch.rsqrt(r32.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, new_residual
-
-
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """Torch reference: ``silu(gate_up[:, :I]) * gate_up[:, I:]``."""
-    inter = gate_up.shape[-1] // 2
-    return torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-
-
-def _head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    table = cos_sin[positions.long()].to(x.dtype)[:, None, :]
-    cos, sin = table[..., :half], table[..., half:]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def rotary_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    *,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    v: torch.Tensor | None = None,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rotary` (same arguments, same results)."""
-    if q_norm_weight is not None:
-        q = _head_rmsnorm_ref(q, q_norm_weight, eps)
-    if k_norm_weight is not None:
-        k = _head_rmsnorm_ref(k, k_norm_weight, eps)
-    q_out, k_out = _rope_ref(q, positions, cos_sin), _rope_ref(k, positions, cos_sin)
-    if k_cache is not None:
-        assert v is not None and v_cache is not None and slot_mapping is not None
-        hkv, d = k_cache.shape[-2:]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_cache.view(-1, hkv, d)[slots] = k_out[keep].to(k_cache.dtype)
-        v_cache.view(-1, hkv, d)[slots] = v[keep].to(v_cache.dtype)
-    return q_out, k_out
-
-
-# --------------------------------------------------------------------------- kernels
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -132,7 +53,7 @@ def _add_rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_add_rmsnorm(
+def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,7 +225,7 @@ def rotary(
     stored into the paged cache (slot < 0 skips). Inputs may be strided views of the qkv
     output (contiguous last dim); returns fresh contiguous ``(q_out, k_out)``.
     ``heads_per_program`` / ``num_warps`` override the launch shape (for latency sweeps,
-    ``replaylm.bench.kernels --latency``).
+    ``benchmarks/kernels.py --latency``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -339,90 +260,3 @@ def rotary(
         num_warps=num_warps or max(1, min(4, hp * head_dim // 256)), **pdl.LAUNCH,
     )
     return q_out, k_out
-
-
-# --------------------------------------------------------------------------- op + projection
-
-
-def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
-                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_add_rmsnorm`` then ``linear``: two launches (one above ``MAX_M`` rows)."""
-    normed, new_res = fused_add_rmsnorm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), new_res
-
-
-def _norm_config(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                 ) -> tuple[int, int, int, int] | None:
-    """The skinny-kernel config of the add + RMSNorm + projection fusion at this shape, or
-    None when the separate ops measured faster (or do not apply: many rows, CPU)."""
-    m = x.shape[0]
-    if not (0 < m <= gemv.MAX_M and x.is_cuda):
-        return None
-
-    def unfused(w: torch.Tensor):
-        return _unfused_norm_linear(x, residual, norm_weight, eps, w, bias)
-
-    key = ("norm" if residual is not None else "norm0", m, weight.shape[0], weight.shape[1],
-           x.dtype, bias is not None)
-    return gemv.choose(key, weight, unfused, lambda cfg, w: gemv.skinny_norm_linear(
-        x, residual, norm_weight, eps, w, bias, config=cfg))
-
-
-def norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_add_rmsnorm`` then ``linear``; returns ``(projection, new_residual)``. At a
-    few rows one kernel does both when the measured choice says so."""
-    config = _norm_config(x, residual, norm_weight, eps, weight, bias)
-    if config is not None:
-        return gemv.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias, config=config)
-    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias)
-
-
-#: Whether the fused qkv projection also does the rotary kernel's work (``norm_linear_rope``,
-#: ``REPLAYLM_ROPE_IN_QKV=1``). Off by default: on the H200 it removed a launch per layer but
-#: measured slower (Qwen3-0.6B batch 1: 1,133.7 tok/s against 1,206.0; Llama-3.2-1B 1,050.6
-#: against 1,051.6): the head's last program adds an atomic and a read back to the
-#: projection's critical path, which costs more than the rotary kernel's boundary.
-ROPE_IN_QKV: bool = os.environ.get("REPLAYLM_ROPE_IN_QKV", "0") == "1"
-
-
-def norm_linear_rope(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None, rope: gemv.QkvRope,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's "before" part after the hidden state: add + RMSNorm, the qkv projection,
-    q/k norm, rotary and the KV write (``rope``); returns ``(q, new_residual)`` with the
-    rotated q ``[T, Hq, D]``. Where the norm + projection runs as one skinny-kernel launch
-    (a few rows, measured faster), that launch does everything (``ROPE_IN_QKV``); otherwise
-    ``norm_linear`` and then :func:`rotary`."""
-    if ROPE_IN_QKV:
-        config = _norm_config(x, residual, norm_weight, eps, weight, bias)
-        if gemv.rope_fits(rope, config):
-            return gemv.skinny_norm_linear_rope(x, residual, norm_weight, eps, weight, bias,
-                                                config, rope)
-    qkv, residual = norm_linear(x, residual, norm_weight, eps, weight, bias)
-    q, k, v = split_qkv(qkv, rope.num_heads, rope.num_kv_heads, rope.head_dim)
-    q, _ = rotary(q, k, rope.positions, rope.cos_sin, q_norm_weight=rope.q_norm_weight,
-                  k_norm_weight=rope.k_norm_weight, eps=rope.eps, v=v, k_cache=rope.k_cache,
-                  v_cache=rope.v_cache, slot_mapping=rope.slot_mapping)
-    return q, residual
-
-
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
-
-    def unfused(w: torch.Tensor = weight):
-        return linear(silu_and_mul(gate_up), w)
-
-    m = gate_up.shape[0]
-    if 0 < m <= gemv.MAX_M and gate_up.is_cuda:
-        key = ("silu", m, weight.shape[0], weight.shape[1], gate_up.dtype, False)
-        config = gemv.choose(key, weight, unfused,
-                             lambda cfg, w: gemv.skinny_silu_linear(gate_up, w, config=cfg))
-        if config is not None:
-            return gemv.skinny_silu_linear(gate_up, weight, config=config)
-    return unfused()

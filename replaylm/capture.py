@@ -1,4 +1,4 @@
-"""Capture helpers shared by the graph runtime and the kernel tuner."""
+"""CUDA-graph capture helpers shared by the graph runtime and the kernel tuner."""
 
 from __future__ import annotations
 

@@ -1,8 +1,23 @@
-"""The one batch format (DESIGN.md): every forward pass takes one front-packed batch.
+"""The one batch format: every forward pass takes one front-packed batch.
 
-A step is first laid out on the host (``HostBatch``, numpy), then copied into the persistent
-static buffers, padded to a graph's tier or not (``replaylm.graphs.buffers``); only an eager
-step too large for them gets fresh device tensors (``to_device``).
+The new tokens of all requests are laid end to end, whatever each request is doing this
+step; decode, verify and prefill chunks differ only in ``cu_seqlens_q``. Request ``i`` owns
+packed query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; its context after this step is
+``kv_lens[i]`` tokens, so its new tokens sit at absolute positions
+``kv_lens[i] - q_len_i .. kv_lens[i] - 1`` and attend causally to everything before them.
+
+KV cache: per layer ``[num_blocks, BLOCK_SIZE, Hkv, D]``; slot ``s`` lives at
+``cache[s // BLOCK_SIZE, s % BLOCK_SIZE]``. Block 0 is reserved by the allocator: the
+scratch block that padded tokens write.
+
+Padding (a batch of T real tokens / B requests run at T_pad tokens / S slots):
+``cu_seqlens_q[B..S] = T``, ``kv_lens[B..S] = 0``, ``block_table[B..S] = 0``; tokens
+``T..T_pad`` belong to no request and write scratch block 0 through ``slot_mapping``.
+
+A step is first laid out on the host (``HostBatch``, numpy; ``engine.packing``), then copied
+into the persistent static buffers, padded to a graph's tier or not (``graphs.buffers``);
+only an eager step too large for them gets fresh device tensors (``to_device``). This module
+sits below the engine, the graphs, the model and the kernels, and imports none of them.
 """
 
 from __future__ import annotations
@@ -12,8 +27,28 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replaylm.attention.backend import BLOCK_SIZE, AttentionMetadata
-from replaylm.engine.scheduler import SchedulerOutput
+BLOCK_SIZE = 16  # tokens per KV block; fixed across the project
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors of one step, built once per step; layers read it, nothing mutates it.
+
+    ``num_tokens`` / ``num_reqs`` are the (possibly padded) sizes the tensors have;
+    ``max_q_len`` / ``max_kv_len`` are host-known upper bounds (for a graph: of its tier),
+    so no backend needs to read a length back from the device.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [S+1] int32
+    kv_lens: torch.Tensor  # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    num_tokens: int
+    num_reqs: int
+    max_q_len: int
+    max_kv_len: int
+    # Host copies for the torch reference backend (never read by graph-safe backends).
+    cu_seqlens_q_cpu: list[int] | None = None
+    kv_lens_cpu: list[int] | None = None
 
 
 @dataclass
@@ -74,83 +109,11 @@ class ForwardBatch:
     req_slots: torch.Tensor | None = None  # [B] int32: rows of the per-slot block tables
 
 
-def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
-    """Front-pack the scheduled requests on the host.
-
-    A token that is the request's latest sample is not taken from the host: it is gathered on
-    the device from ``last_token[slot]``, where the sampler left it, so building step N+1 never
-    needs step N's tokens on the host (overlap scheduling relies on it: such a token may still
-    be pending). Block tables are per slot and persistent on the device: only the blocks a
-    request gained since its previous step are listed (``table_index`` / ``table_value``).
-    """
-    for req in out.newly_slotted:
-        req.device_token_slot = -1  # whatever last_token[slot] holds belongs to someone else
-        req.table_len = 0  # the slot's device table row holds someone else's blocks
-    ids: list[int] = []
-    from_rows: list[int] = []
-    from_slots: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    cu = [0]
-    kv_lens: list[int] = []
-    req_slots: list[int] = []
-    t_index: list[int] = []
-    t_value: list[int] = []
-    logits_idx: list[int] = []
-    sample_slots: list[int] = []
-    out_pos: list[int] = []
-    # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
-    # loop is per-step host time, and small numpy arrays per request cost more than they save.
-    for sr in out.scheduled:
-        req, start, n = sr.request, sr.start, sr.num_new_tokens
-        base = len(ids)
-        end = start + n
-        ids.extend(req.token_slice(start, end))
-        last_out = req.num_tokens - 1
-        if last_out >= req.num_prompt_tokens and start <= last_out < end \
-                and req.device_token_slot == req.slot:
-            from_rows.append(base + last_out - start)
-            from_slots.append(req.slot)
-        elif req.num_pending:
-            raise AssertionError(f"{req!r}: a pending token must be read on the device")
-        blocks = req.block_ids
-        if len(blocks) > req.table_len:
-            row = req.slot * max_blocks
-            t_index.extend(range(row + req.table_len, row + len(blocks)))
-            t_value.extend(blocks[req.table_len:])
-            req.table_len = len(blocks)
-        if n == 1:
-            positions.append(start)
-            slots.append(blocks[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE)
-        else:
-            pos = np.arange(start, end)
-            b = np.asarray(blocks, dtype=np.int64)
-            positions.extend(range(start, end))
-            slots.extend((b[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).tolist())
-        cu.append(len(ids))
-        kv_lens.append(end)
-        req_slots.append(req.slot)
-        if sr.sample:
-            req.device_token_slot = req.slot  # the sampler writes last_token[slot]
-            logits_idx.append(len(ids) - 1)
-            sample_slots.append(req.slot)
-            out_pos.append(req.num_generated)
-    i64, i32 = np.int64, np.int32
-    return HostBatch(
-        input_ids=np.asarray(ids, dtype=i64),
-        from_device_rows=np.asarray(from_rows, dtype=i64),
-        from_device_slots=np.asarray(from_slots, dtype=i64),
-        positions=np.asarray(positions, dtype=i64),
-        slot_mapping=np.asarray(slots, dtype=i64),
-        cu_seqlens_q=np.asarray(cu, dtype=i32),
-        kv_lens=np.asarray(kv_lens, dtype=i32),
-        req_slots=np.asarray(req_slots, dtype=i32),
-        table_index=np.asarray(t_index, dtype=i32),
-        table_value=np.asarray(t_value, dtype=i32),
-        logits_indices=np.asarray(logits_idx, dtype=i64),
-        sample_slots=np.asarray(sample_slots, dtype=i64),
-        sample_out_pos=np.asarray(out_pos, dtype=i64),
-    )
+def set_host_lengths(meta: AttentionMetadata, host: HostBatch) -> None:
+    """Give ``meta`` host copies of the lengths, for attention that reads them on the host
+    (the torch reference backend; never a graph-safe one)."""
+    meta.cu_seqlens_q_cpu = host.cu_seqlens_q.tolist()
+    meta.kv_lens_cpu = host.kv_lens.tolist()
 
 
 def feed_sampled_tokens(input_ids: torch.Tensor, host: HostBatch, last_token: torch.Tensor) -> None:

@@ -90,9 +90,3 @@ def test_bench_decode_profile_writes_steps_and_trace(tmp_path, capsys) -> None:
     assert steps["summary"]["graph_nodes"] == decode[0]["graph_nodes"]
     trace = json.loads((prof / "ragged_b1.trace.json").read_text())
     assert trace["traceEvents"]
-
-
-def test_host_bench_runs_the_decode_phase() -> None:
-    from replaylm.bench.host import host_step_ms
-
-    assert host_step_ms(requests=4, steps=6, prompt_len=8) > 0

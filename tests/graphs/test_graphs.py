@@ -162,7 +162,7 @@ def test_capture_pauses_the_garbage_collector():
     after an error."""
     import gc
 
-    from replaylm.graphs.capture import gc_paused
+    from replaylm.capture import gc_paused
 
     assert gc.isenabled()
     with gc_paused():
@@ -180,21 +180,40 @@ def test_capture_pauses_the_garbage_collector():
         gc.enable()
 
 
-def test_rope_in_attention_limit(monkeypatch):
-    """Decode steps of up to ``REPLAYLM_ROPE_IN_ATTENTION`` request slots (default 1) do the
-    rotary work inside attention where the model is graphed whole; piecewise modes never
-    do; a bad value is named."""
-    from replaylm.model.llama import rope_in_attention_limit
+def test_rope_in_attention_limit_is_graph_policy():
+    """Decode steps of up to ``rope_in_attention_max_reqs`` request slots (default 1) do the
+    rotary work inside attention where attention is graphed with the model (or eagerly);
+    piecewise modes never do; the setting is validated with the other fields."""
+    from replaylm.config import EngineArgs
+    from replaylm.graphs.policy import GRAPH_MODES, GraphPolicy
 
-    monkeypatch.delenv("REPLAYLM_ROPE_IN_ATTENTION", raising=False)
-    assert [rope_in_attention_limit(m) for m in ("ragged", "full", "eager")] == [1, 1, 1]
-    assert rope_in_attention_limit("piecewise") == rope_in_attention_limit(
-        "full_and_piecewise") == 0
-    monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", "0")
-    assert rope_in_attention_limit("ragged") == 0
-    monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", "16")
-    assert rope_in_attention_limit("full") == 16
-    for bad in ("yes", "-1"):
-        monkeypatch.setenv("REPLAYLM_ROPE_IN_ATTENTION", bad)
-        with pytest.raises(ValueError, match="REPLAYLM_ROPE_IN_ATTENTION"):
-            rope_in_attention_limit("ragged")
+    assert EngineArgs().rope_in_attention_max_reqs == 1
+    limits = {m: GraphPolicy(m).rope_in_attention_max_reqs(16) for m in GRAPH_MODES}
+    assert limits == {"eager": 16, "full": 16, "ragged": 16, "piecewise": 0,
+                      "full_and_piecewise": 0}
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="rope_in_attention_max_reqs"):
+            EngineArgs(rope_in_attention_max_reqs=bad)
+    with pytest.raises(ValueError, match="pdl"):
+        EngineArgs(pdl="sometimes")
+    with pytest.raises(ValueError, match="pdl='on'"):
+        LLM("default", pdl="on")  # the CPU has no PDL
+
+
+def test_dispatch_depends_on_sizes_only():
+    """The dispatch is a function of (tokens, requests, uniform decode): what ranks can agree
+    on. Full graphs take uniform decode by request count, token tiers the rest, and above the
+    top tier a step runs eagerly with the reason recorded."""
+    from replaylm.graphs.policy import Dispatch, GraphPolicy
+
+    p = GraphPolicy("full_and_piecewise", decode_tiers=[1, 2, 4], token_tiers=[8, 16])
+    assert p.dispatch(3, 3, True) == Dispatch("full", 4)
+    assert p.dispatch(3, 2, False) == Dispatch("piecewise", 8)
+    assert p.dispatch(17, 2, False) == Dispatch(
+        "eager", reason="17 tokens above top token tier 16")
+    assert p.dispatch(5, 5, True) == Dispatch("piecewise", 8)  # above the top full tier
+    assert p.capture_order() == [("piecewise", 16), ("piecewise", 8), ("full", 4), ("full", 2),
+                                 ("full", 1)]
+    ragged = GraphPolicy("ragged", token_tiers=[4, 8])
+    assert ragged.dispatch(5, 3, False) == Dispatch("ragged", 8)
+    assert GraphPolicy("eager").dispatch(1, 1, True) == Dispatch("eager")

@@ -1,4 +1,5 @@
-"""Tests for the device-side sampler: greedy, seeded reproducibility, distributions, no sync."""
+"""Tests for the device-side sampler: greedy, seeded reproducibility, the counter-based stream,
+host mirrors, no host sync (distributions: test_sampler_distributions.py)."""
 
 from __future__ import annotations
 
@@ -6,50 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replaylm.sampling import SamplingState, sample
 from replaylm.sampling import sampler as sampler_mod
 from replaylm.sampling_params import SamplingParams
-
-CPU = torch.device("cpu")
-
-
-def _state(rows: list[tuple[SamplingParams, int]], device: torch.device = CPU) -> SamplingState:
-    """A state whose slot ``i`` holds ``rows[i]`` (params, seed)."""
-    state = SamplingState(max(len(rows), 1) + 2, device)
-    for slot, (params, seed) in enumerate(rows):
-        state.set(slot, params, seed)
-    state.flush()
-    return state
-
-
-def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 1234):
-    """``n`` draws of one request, each at its own output position, in one batched call."""
-    state = _state([(params, seed)])
-    logits = logits_row[None, :].expand(n, -1).contiguous()
-    slots = torch.zeros(n, dtype=torch.int64)
-    out_pos = torch.arange(n, dtype=torch.int64)
-    return sample(logits, slots, out_pos, state)
-
-
-def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson statistic of the draws against ``probs`` over the support ``probs > 0``."""
-    counts = torch.bincount(tokens, minlength=probs.numel()).double()
-    expected = probs.double() * tokens.numel()
-    support = expected > 0
-    assert counts[~support].sum() == 0, "drew a token outside the expected support"
-    return float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
-
-
-# chi-square 99.99% quantiles by degrees of freedom; draws are deterministic (counter-based),
-# so these bounds cannot flake, and a wrong distribution overshoots them by orders of magnitude.
-_CHI2_LIMIT = {1: 15.2, 2: 18.5, 3: 21.2, 4: 23.6, 5: 25.8, 6: 27.9, 7: 29.9}
-
-LOGITS8 = torch.tensor([1.5, -0.5, 0.3, 2.0, -1.0, 0.9, 0.0, -2.2])
-
+from tests.sampling.sampler_helpers import CPU, chi_square, draws, make_state
 
 # --- greedy -----------------------------------------------------------------------------------
 
@@ -61,7 +24,7 @@ def test_greedy_equals_argmax(dtype: torch.dtype, all_greedy: bool, need_filter:
     torch.manual_seed(0)
     logits = torch.randn(9, 50).to(dtype)
     logits[3, 7] = logits[3, 20] = logits[3].max() + 1  # a tie: the lowest index wins
-    state = _state([(SamplingParams(temperature=0.0, top_k=5, top_p=0.5), 0)] * 9)
+    state = make_state([(SamplingParams(temperature=0.0, top_k=5, top_p=0.5), 0)] * 9)
     slots = torch.arange(9)
     got = sample(logits, slots, torch.arange(9), state, all_greedy=all_greedy,
                  need_filter=need_filter)
@@ -78,7 +41,7 @@ def test_mixed_greedy_and_random_batch(need_filter: bool) -> None:
     greedy = SamplingParams(temperature=0.0)
     hot = SamplingParams(temperature=5.0)  # flat enough that random rows rarely hit argmax
     rows = [(greedy, 0), (hot, 11), (greedy, 0), (hot, 12), (hot, 13), (greedy, 0)]
-    state = _state(rows)
+    state = make_state(rows)
     slots = torch.arange(6)
     out_pos = torch.tensor([0, 3, 1, 4, 2, 9])
     got = sample(logits, slots, out_pos, state, need_filter=need_filter)
@@ -89,7 +52,7 @@ def test_mixed_greedy_and_random_batch(need_filter: bool) -> None:
         alone = sample(logits[row:row + 1], slots[row:row + 1], out_pos[row:row + 1], state)
         assert got[row] == alone[0]
     # Over many positions the random rows must leave the argmax (they really are random).
-    many = _draws(logits[1], hot, 200, seed=11)
+    many = draws(logits[1], hot, 200, seed=11)
     assert (many != logits[1].argmax()).float().mean() > 0.5
 
 
@@ -132,7 +95,7 @@ def test_seeded_row_is_batch_invariant() -> None:
 def test_filter_path_with_filters_off_matches_fast_path() -> None:
     torch.manual_seed(3)
     logits = torch.randn(32, 200)
-    state = _state([(SamplingParams(temperature=0.7), 5 + i) for i in range(4)])
+    state = make_state([(SamplingParams(temperature=0.7), 5 + i) for i in range(4)])
     slots = torch.arange(32) % 4
     out_pos = torch.arange(32) * 3
     fast = sample(logits, slots, out_pos, state, need_filter=False)
@@ -144,7 +107,7 @@ def test_dtype_does_not_change_seeded_draws_much() -> None:
     """bf16 logits are computed in fp32: same draws as the fp32 copy of the same values."""
     torch.manual_seed(4)
     logits = torch.randn(64, 100).to(torch.bfloat16)
-    state = _state([(SamplingParams(temperature=0.9, top_p=0.9), 77)])
+    state = make_state([(SamplingParams(temperature=0.9, top_p=0.9), 77)])
     slots = torch.zeros(64, dtype=torch.int64)
     out_pos = torch.arange(64)
     assert torch.equal(sample(logits, slots, out_pos, state),
@@ -155,14 +118,14 @@ def test_positions_and_seeds_give_different_draws() -> None:
     vocab = 1000
     flat = torch.zeros(vocab)
     params = SamplingParams(temperature=1.0)
-    a = _draws(flat, params, 300, seed=1)
-    b = _draws(flat, params, 300, seed=2)
+    a = draws(flat, params, 300, seed=1)
+    b = draws(flat, params, 300, seed=2)
     # Different positions of one seed: nearly all distinct (birthday bound ~45 collisions).
     assert a.unique().numel() > 220
     # Two seeds at the same positions agree about 300 / 1000 times by chance, no more.
     assert (a == b).sum() <= 5
     # Seeds differing only in their high 32 bits are different streams too.
-    c = _draws(flat, params, 300, seed=1 + (1 << 40))
+    c = draws(flat, params, 300, seed=1 + (1 << 40))
     assert (a == c).sum() <= 5
 
 
@@ -197,118 +160,10 @@ def test_uniforms_are_open_interval_and_uniform() -> None:
 
 def test_consecutive_positions_are_independent() -> None:
     """Pairs of draws at positions (n, n + 1) fill all 64 cells of an 8-token grid evenly."""
-    tokens = _draws(torch.zeros(8), SamplingParams(temperature=1.0), 64001, seed=42)
+    tokens = draws(torch.zeros(8), SamplingParams(temperature=1.0), 64001, seed=42)
     pairs = tokens[:-1] * 8 + tokens[1:]
     # 63 degrees of freedom: the 99.99% quantile is about 111.
-    assert _chi_square(pairs, torch.full((64,), 1 / 64)) < 115.0
-
-
-# --- distributions ----------------------------------------------------------------------------
-
-
-def _renormalised(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    kept = torch.where(keep, probs, torch.zeros_like(probs))
-    return kept / kept.sum()
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
-def test_distribution_matches_softmax(temperature: float) -> None:
-    tokens = _draws(LOGITS8, SamplingParams(temperature=temperature), 40000)
-    probs = torch.softmax(LOGITS8.double() / temperature, dim=-1)
-    assert _chi_square(tokens, probs) < _CHI2_LIMIT[7]
-
-
-def test_distribution_check_can_fail() -> None:
-    """Guard on the statistic itself: the wrong temperature must be rejected."""
-    tokens = _draws(LOGITS8, SamplingParams(temperature=1.0), 40000)
-    probs = torch.softmax(LOGITS8.double() / 1.2, dim=-1)
-    assert _chi_square(tokens, probs) > _CHI2_LIMIT[7]
-
-
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_top_k_support_and_distribution(k: int) -> None:
-    temperature = 0.8
-    tokens = _draws(LOGITS8, SamplingParams(temperature=temperature, top_k=k), 30000)
-    probs = torch.softmax(LOGITS8.double() / temperature, dim=-1)
-    keep = torch.zeros(8, dtype=torch.bool)
-    keep[LOGITS8.topk(k).indices] = True
-    assert keep[tokens].all()
-    if k > 1:
-        assert _chi_square(tokens, _renormalised(probs, keep)) < _CHI2_LIMIT[k - 1]
-    else:
-        assert (tokens == LOGITS8.argmax()).all()
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Reference nucleus: the shortest sorted-descending prefix whose mass reaches top_p."""
-    order = probs.argsort(descending=True)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    mass = 0.0
-    for idx in order.tolist():
-        keep[idx] = True
-        mass += float(probs[idx])
-        if mass >= top_p:
-            break
-    return keep
-
-
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.5), (1.0, 0.8), (0.7, 0.9),
-                                                    (1.5, 0.3), (1.0, 0.01)])
-def test_top_p_support_and_distribution(temperature: float, top_p: float) -> None:
-    tokens = _draws(LOGITS8, SamplingParams(temperature=temperature, top_p=top_p), 30000)
-    probs = torch.softmax(LOGITS8.double() / temperature, dim=-1)
-    keep = _nucleus(probs, top_p)
-    assert keep[tokens].all(), "sampled outside the nucleus"
-    size = int(keep.sum())
-    if size > 1:
-        assert _chi_square(tokens, _renormalised(probs, keep)) < _CHI2_LIMIT[size - 1]
-        assert tokens.unique().numel() == size  # and every nucleus token does get drawn
-    else:
-        assert (tokens == LOGITS8.argmax()).all()  # the top token is always kept
-
-
-def test_top_k_then_top_p() -> None:
-    """Top-p applies to the distribution renormalised over the top-k set."""
-    temperature, k, top_p = 1.0, 4, 0.75
-    tokens = _draws(LOGITS8, SamplingParams(temperature=temperature, top_k=k, top_p=top_p), 30000)
-    probs = torch.softmax(LOGITS8.double() / temperature, dim=-1)
-    in_k = torch.zeros(8, dtype=torch.bool)
-    in_k[LOGITS8.topk(k).indices] = True
-    keep = _nucleus(_renormalised(probs, in_k), top_p)
-    # The renormalisation matters here: over all 8 tokens the nucleus would be larger.
-    assert int(keep.sum()) < int(_nucleus(probs, top_p).sum())
-    assert keep[tokens].all()
-    assert _chi_square(tokens, _renormalised(probs, keep)) < _CHI2_LIMIT[int(keep.sum()) - 1]
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    vocab=st.integers(2, 40),
-    temperature=st.floats(0.05, 3.0),
-    k=st.integers(0, 45),
-    top_p=st.floats(0.02, 1.0),
-    data=st.data(),
-)
-def test_filters_never_leave_their_support(
-    vocab: int, temperature: float, k: int, top_p: float, data: st.DataObject
-) -> None:
-    values = data.draw(st.lists(st.floats(-8, 8, width=32), min_size=vocab, max_size=vocab))
-    logits = torch.tensor(values, dtype=torch.float32)
-    params = SamplingParams(temperature=temperature, top_k=k, top_p=top_p)
-    tokens = _draws(logits, params, 64, seed=data.draw(st.integers(0, 2**63 - 1)))
-    # The sampler divides in fp32 (per-slot fp32 temperatures): compare in the same precision,
-    # or two logits one denormal apart tie there but not here.
-    scaled = (logits / torch.tensor(temperature, dtype=torch.float32)).double()
-    probs = torch.softmax(scaled, dim=-1)
-    k_eff = k if 0 < k <= vocab else vocab
-    kth = scaled.sort(descending=True).values[k_eff - 1]
-    in_k = scaled >= kth
-    renorm = _renormalised(probs, in_k)
-    for t in tokens.tolist():
-        above = scaled > scaled[t]
-        assert int(above.sum()) < k_eff, "left the top-k set"
-        # Mass strictly above the token, within top-k, must be short of p (fp slack only).
-        assert float(renorm[above].sum()) < top_p + 1e-5, "left the nucleus"
+    assert chi_square(pairs, torch.full((64,), 1 / 64)) < 115.0
 
 
 # --- host mirrors -----------------------------------------------------------------------------
@@ -383,7 +238,7 @@ class _SyncRecorder(TorchDispatchMode):
                          [(False, True), (False, False), (True, False)])
 def test_sample_never_syncs_the_host(all_greedy: bool, need_filter: bool) -> None:
     torch.manual_seed(5)
-    state = _state([(SamplingParams(temperature=0.9, top_k=10, top_p=0.8), 3),
+    state = make_state([(SamplingParams(temperature=0.9, top_k=10, top_p=0.8), 3),
                     (SamplingParams(temperature=0.0), 4)])
     logits = torch.randn(8, 300, dtype=torch.bfloat16)
     slots = torch.tensor([0, 1] * 4)
@@ -423,7 +278,7 @@ def test_cuda_graph_replay_matches_eager_and_cpu() -> None:
     torch.manual_seed(6)
     rows = [(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), 100 + i) for i in range(6)]
     rows += [(SamplingParams(temperature=0.0), 0), (SamplingParams(temperature=1.1), 7)]
-    state_gpu, state_cpu = _state(rows, dev), _state(rows)
+    state_gpu, state_cpu = make_state(rows, dev), make_state(rows)
     batch, vocab = 8, 5000
     logits = torch.randn(batch, vocab, device=dev)
     slots = torch.arange(batch, device=dev)

@@ -1,0 +1,87 @@
+"""Front-packing the scheduled requests into a ``HostBatch`` (``replaylm.batch``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replaylm.batch import BLOCK_SIZE, HostBatch
+from replaylm.engine.scheduler import SchedulerOutput
+
+
+def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
+    """Front-pack the scheduled requests on the host.
+
+    A token that is the request's latest sample is not taken from the host: it is gathered on
+    the device from ``last_token[slot]``, where the sampler left it, so building step N+1 never
+    needs step N's tokens on the host (overlap scheduling relies on it: such a token may still
+    be pending). Block tables are per slot and persistent on the device: only the blocks a
+    request gained since its previous step are listed (``table_index`` / ``table_value``).
+    """
+    for req in out.newly_slotted:
+        req.device_token_slot = -1  # whatever last_token[slot] holds belongs to someone else
+        req.table_len = 0  # the slot's device table row holds someone else's blocks
+    ids: list[int] = []
+    from_rows: list[int] = []
+    from_slots: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    kv_lens: list[int] = []
+    req_slots: list[int] = []
+    t_index: list[int] = []
+    t_value: list[int] = []
+    logits_idx: list[int] = []
+    sample_slots: list[int] = []
+    out_pos: list[int] = []
+    # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
+    # loop is per-step host time, and small numpy arrays per request cost more than they save.
+    for sr in out.scheduled:
+        req, start, n = sr.request, sr.start, sr.num_new_tokens
+        base = len(ids)
+        end = start + n
+        ids.extend(req.token_slice(start, end))
+        last_out = req.num_tokens - 1
+        if last_out >= req.num_prompt_tokens and start <= last_out < end \
+                and req.device_token_slot == req.slot:
+            from_rows.append(base + last_out - start)
+            from_slots.append(req.slot)
+        elif req.num_pending:
+            raise AssertionError(f"{req!r}: a pending token must be read on the device")
+        blocks = req.block_ids
+        if len(blocks) > req.table_len:
+            row = req.slot * max_blocks
+            t_index.extend(range(row + req.table_len, row + len(blocks)))
+            t_value.extend(blocks[req.table_len:])
+            req.table_len = len(blocks)
+        if n == 1:
+            positions.append(start)
+            slots.append(blocks[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE)
+        else:
+            pos = np.arange(start, end)
+            b = np.asarray(blocks, dtype=np.int64)
+            positions.extend(range(start, end))
+            slots.extend((b[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).tolist())
+        cu.append(len(ids))
+        kv_lens.append(end)
+        req_slots.append(req.slot)
+        if sr.sample:
+            req.device_token_slot = req.slot  # the sampler writes last_token[slot]
+            logits_idx.append(len(ids) - 1)
+            sample_slots.append(req.slot)
+            out_pos.append(req.num_generated)
+    i64, i32 = np.int64, np.int32
+    return HostBatch(
+        input_ids=np.asarray(ids, dtype=i64),
+        from_device_rows=np.asarray(from_rows, dtype=i64),
+        from_device_slots=np.asarray(from_slots, dtype=i64),
+        positions=np.asarray(positions, dtype=i64),
+        slot_mapping=np.asarray(slots, dtype=i64),
+        cu_seqlens_q=np.asarray(cu, dtype=i32),
+        kv_lens=np.asarray(kv_lens, dtype=i32),
+        req_slots=np.asarray(req_slots, dtype=i32),
+        table_index=np.asarray(t_index, dtype=i32),
+        table_value=np.asarray(t_value, dtype=i32),
+        logits_indices=np.asarray(logits_idx, dtype=i64),
+        sample_slots=np.asarray(sample_slots, dtype=i64),
+        sample_out_pos=np.asarray(out_pos, dtype=i64),
+    )

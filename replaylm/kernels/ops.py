@@ -1,0 +1,91 @@
+"""The decoder's dense ops on CUDA: the same names and signatures as the torch references
+in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` either way.
+
+* ``add_rms_norm``, ``silu_and_mul``, ``rotary`` — the elementwise kernels
+  (``kernels.elementwise``).
+* :func:`linear` — the layers' projections and the LM head: at a few rows the faster of
+  cuBLAS and the skinny kernel (``kernels.skinny``), measured per shape (``kernels.tuner``);
+  cuBLAS above ``skinny.MAX_M`` rows.
+* :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
+  by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
+  its own input rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replaylm.kernels import ref, skinny, tuner
+from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
+from replaylm.kernels.ref import split_qkv
+
+__all__ = ["add_rms_norm", "linear", "norm_linear", "rotary", "silu_and_mul", "silu_linear",
+           "split_qkv"]
+
+
+def _few_rows(x: torch.Tensor) -> bool:
+    return 0 < x.shape[0] <= skinny.MAX_M and x.is_cuda
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
+    for this shape; written into ``out`` when given.
+
+    The choice is measured on the first call of a shape outside graph capture (graph capture
+    warms up eagerly first, so every captured shape is decided before its capture) and kept.
+    """
+    if not _few_rows(x):
+        return ref.linear(x, weight, bias, out)
+    config = tuner.choose(
+        ("plain", x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None),
+        weight,
+        unfused=lambda w: ref.linear(x, w, bias, out),
+        fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out),
+    )
+    if config is not None:
+        return skinny.skinny_linear(x, weight, bias, config=config, out=out)
+    return ref.linear(x, weight, bias, out)
+
+
+def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` then ``linear``: two launches (one above ``MAX_M`` rows)."""
+    normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), new_res
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` then ``linear``; returns ``(projection, new_residual)``. At a few
+    rows one kernel does both when the measured choice says so."""
+    if _few_rows(x):
+        key = ("norm" if residual is not None else "norm0", x.shape[0], weight.shape[0],
+               weight.shape[1], x.dtype, bias is not None)
+        config = tuner.choose(
+            key, weight,
+            unfused=lambda w: _unfused_norm_linear(x, residual, norm_weight, eps, w, bias),
+            fused=lambda cfg, w: skinny.skinny_norm_linear(x, residual, norm_weight, eps, w,
+                                                           bias, config=cfg))
+        if config is not None:
+            return skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                             config=config)
+    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
+
+    def unfused(w: torch.Tensor = weight):
+        return linear(silu_and_mul(gate_up), w)
+
+    if _few_rows(gate_up):
+        key = ("silu", gate_up.shape[0], weight.shape[0], weight.shape[1], gate_up.dtype, False)
+        config = tuner.choose(key, weight, unfused,
+                              lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg))
+        if config is not None:
+            return skinny.skinny_silu_linear(gate_up, weight, config=config)
+    return unfused()

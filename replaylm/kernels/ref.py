@@ -1,0 +1,121 @@
+"""Torch references of the decoder's dense ops: one per op, used by the model on the CPU and
+by the tests as the oracle of each Triton kernel (``kernels.ops`` has the same signatures).
+
+The numerics follow transformers' Llama/Qwen modules (RMSNorm in fp32 with its output
+rounded to the model dtype before the weight multiply, each rotary product rounded in the
+model dtype), so fp32 runs match transformers exactly and the kernels match these to the
+last bit or one ulp. This module imports only torch: it works without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the fused qkv projection ``[T, (Hq + 2 Hkv) D]`` as q ``[T, Hq, D]``, k and v
+    ``[T, Hkv, D]``."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+            v.view(t, num_kv_heads, head_dim))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (a hidden row, or one head for Qwen3's q/k norm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (``x`` when None, the first layer), then RMSNorm;
+    returns ``(normed, new_residual)``, of the token rows ``rows`` only when given."""
+    if rows is not None:
+        x = x.index_select(0, rows)
+        residual = None if residual is None else residual.index_select(0, rows)
+    residual = x if residual is None else residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate is the first half)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary on ``[T, H, D]`` (rotate the two halves), as HF Llama does;
+    ``cos_sin`` is the fp32 ``[max_pos, D]`` table of ``model.config.rope_cos_sin``."""
+    half = x.shape[-1] // 2
+    cs = cos_sin[positions].to(x.dtype)  # [T, D]: cos | sin, each D/2
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ``[T, Hkv, D]`` at their cache slots (graph safe)."""
+    hkv, d = k_cache.shape[-2:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's post-projection work: q/k norm (Qwen3, when the weights are given), rotary,
+    and with ``k_cache``/``v_cache``/``slot_mapping`` (and ``v``) the KV write; returns the
+    rotated ``(q, k)``."""
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, eps)
+    if k_norm_weight is not None:
+        k = rms_norm(k, k_norm_weight, eps)
+    q, k = apply_rotary(q, positions, cos_sin), apply_rotary(k, positions, cos_sin)
+    if k_cache is not None:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, written into ``out`` when given."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``."""
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul, then a projection (down_proj)."""
+    return linear(silu_and_mul(gate_up), weight)

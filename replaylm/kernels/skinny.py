@@ -1,0 +1,261 @@
+"""Skinny matmul for decode: ``y = x @ W^T (+ b)`` with few rows in ``x`` (batch-1 decode).
+
+At one to a few tokens a projection is a pure weight stream: every weight byte is read once
+and used ``M`` times. cuBLAS picks tile shapes made for larger ``M`` and, on the small square
+projections of 0.6B-1B models, reaches under half of the H200's bandwidth. This kernel gives
+each program a strip of ``BLOCK_N`` weight rows and the whole ``K``: it streams the strip in
+``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32. No
+split-K, so there are no atomics and the result is bit-for-bit repeatable (graph replays and
+their eager re-runs agree exactly).
+
+The kernel can also compute its input rows itself, which removes a launch (and its gap in
+the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
+of a projection (each program sums the squares of the few input rows as it streams them and
+scales its outputs by 1/rms at the end; program 0 stores the new residual),
+``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
+
+Which tile runs, and whether this kernel beats cuBLAS (or the separate prologue op) at a
+shape at all, is measured by ``kernels.tuner``; ``kernels.ops`` uses the result. The torch
+references are ``kernels.ref.linear`` / ``norm_linear`` / ``silu_linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.kernels import pdl, ref
+from replaylm.kernels.pdl import wait_for_previous
+
+MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
+#: What the kernel computes on its input rows before the product (``_skinny_kernel``).
+PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+#: K chunks up to which a program's weight strip is loaded whole before the PDL wait
+#: (``_skinny_kernel`` spells out four chunks).
+MAX_UNROLL = 4
+
+
+@triton.jit
+def _weight_chunk(w_ptrs, k0, n_mask, cols, K: tl.constexpr, EVEN_N: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    if EVEN_N and EVEN_K:
+        return tl.load(w_ptrs + k0, eviction_policy="evict_first")
+    return tl.load(w_ptrs + k0, mask=n_mask[:, None] & ((k0 + cols) < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
+                 K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_K]`` chunk of the projection's input in fp32, and (RMSNorm
+    prologue) its rows' sum of squares."""
+    x = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+    dt = x.dtype
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 1:  # residual add + RMSNorm; the 1/rms scale is applied after the sum
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptrs + k0, mask=mask, other=0.0)
+            # Rounded to the model dtype: that is the residual the next layer reads.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            if store_residual:
+                tl.store(out_ptrs + k0, x, mask=mask)
+        s = x.to(tl.float32)
+        sq = tl.sum(s * s, axis=1)
+        w = tl.load(nw_ptr + k0 + cols, mask=(k0 + cols) < K, other=0.0).to(tl.float32)
+        return s * w[None, :], sq
+    if PROLOGUE == 2:  # SiLU(gate) * up: ``x`` rows are gate | up, each K wide
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        u = tl.load(x_ptrs + K + k0, mask=mask, other=0.0).to(tl.float32)
+        return (act * u).to(dt).to(tl.float32), sq
+    return x.to(tl.float32), sq
+
+
+@triton.jit
+def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, store_residual,
+                K: tl.constexpr, BLOCK_M: tl.constexpr, PROLOGUE: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """Fold weight chunk ``w`` (at column ``k0``) and the matching input chunk into the sums.
+    Products accumulate elementwise; the one cross-thread reduction comes after the last
+    chunk, so this is loads and FMAs only."""
+    if EVEN_K:
+        mask = m_mask[:, None]
+    else:
+        mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
+    x, sq_k = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
+                           K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
+    return acc + w.to(tl.float32)[None, :, :] * x[:, None, :], sq + sq_k
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, eps,
+                   stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
+                   K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # Weights are never written by an earlier kernel, so a strip of up to MAX_UNROLL chunks
+    # (WHOLE) is loaded whole before the PDL wait: with PDL the weight stream then overlaps the
+    # previous kernel, and only the (tiny) input rows are read after it. A longer strip
+    # loads its first chunk early and streams the rest in a loop (unrolling 16-56 chunks
+    # multiplies compile and tuning time).
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
+    w0 = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    w1 = w0  # placeholders; chunks past the strip's end are never used
+    w2 = w0
+    w3 = w0
+    if WHOLE and CHUNKS > 1:
+        w1 = _weight_chunk(w_ptrs, BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 2:
+        w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 3:
+        w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    wait_for_previous(USE_PDL)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
+    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
+    store_residual = pid == 0  # one program writes the new residual
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, sq = _accumulate(acc, sq, w0, 0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
+                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+    if WHOLE:
+        if CHUNKS > 1:
+            acc, sq = _accumulate(acc, sq, w1, BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 2:
+            acc, sq = _accumulate(acc, sq, w2, 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 3:
+            acc, sq = _accumulate(acc, sq, w3, 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+    else:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
+                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
+                                  EVEN_K)
+    out = tl.sum(acc, axis=2)  # [BM, BN]
+    if PROLOGUE == 1:
+        # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
+        # scale leaves the sum, so one pass serves both the norm and the product.
+        out = out * tl.rsqrt(sq / K + eps)[:, None]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+#: Tile candidates (BLOCK_N, BLOCK_K, num_warps) per row-block size; ``linear`` times each.
+CANDIDATES: dict[int, list[tuple[int, int, int]]] = {
+    1: [(4, 512, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (4, 1024, 4), (2, 1024, 4),
+        (8, 256, 4), (16, 256, 4), (2, 2048, 4), (4, 2048, 8)],
+    2: [(4, 256, 4), (8, 256, 4), (4, 512, 8), (8, 512, 8), (2, 1024, 4), (4, 1024, 8)],
+    4: [(4, 128, 4), (4, 256, 8), (8, 128, 4), (8, 256, 8)],
+    8: [(2, 128, 4), (4, 128, 4), (4, 128, 8), (8, 64, 4)],
+}
+
+
+def candidate_configs(m: int, k: int) -> list[tuple[int, int, int, int]]:
+    """Every tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` the tuner times for ``m`` rows
+    and reduction length ``k``: ``CANDIDATES`` with ``BLOCK_K`` capped at ``k``'s next power
+    of two."""
+    bm = triton.next_power_of_2(m)
+    return [(bm, bn, min(bk, triton.next_power_of_2(k)), warps) for bn, bk, warps in CANDIDATES[bm]]
+
+
+def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) without measuring: the first candidate whose
+    strips cover the SMs about twice."""
+    block_m = triton.next_power_of_2(max(m, 1))
+    cands = CANDIDATES[min(block_m, 8)]
+    for bn, bk, warps in cands:
+        if triton.cdiv(n, bn) >= 256:
+            return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
+    bn, bk, warps = min(cands)
+    return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
+
+
+def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            out: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
+    returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
+    ``y`` goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor."""
+    m = x.shape[0]
+    k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1, "weight rows must be contiguous"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+        y = out
+    new_res = None
+    if residual is not None:
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+        new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps = config or pick_config(m, n, k)
+    chunks = triton.cdiv(k, bk)
+    r = residual if residual is not None else x
+    o = new_res if new_res is not None else x
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x, r, norm_weight if norm_weight is not None else weight, o, weight,
+        bias if bias is not None else weight, y, m, n, eps,
+        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),
+        K=k,
+        PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
+        CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
+        **pdl.LAUNCH,
+    )
+    return y, new_res
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``.
+    ``out``: the ``[M, N]`` tensor to write it to (returned)."""
+    if x.shape[0] > MAX_M or x.shape[0] == 0:
+        return ref.linear(x, weight, bias, out)
+    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out)[0]
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       config: tuple[int, int, int, int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (``x`` when None), then
+    ``rmsnorm(new_residual) * norm_weight @ weight.T + bias``, in one kernel (``M <= MAX_M``);
+    returns ``(y, new_residual)``. Each program reads the (tiny) input rows whole anyway, so
+    it accumulates their sum of squares in the same pass and scales its sums by ``1/rms`` at
+    the end (the normalised input is not rounded to the model dtype first, unlike the
+    separate ops: results agree within that rounding). Program 0 writes the new residual."""
+    assert 0 < x.shape[0] <= MAX_M
+    y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps)
+    return y, (x if new_res is None else new_res)
+
+
+def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T`` for ``gate_up`` ``[M, 2K]`` (gate first), in one
+    kernel (``M <= MAX_M``)."""
+    assert 0 < gate_up.shape[0] <= MAX_M
+    return _launch(PROLOGUE_SILU, gate_up, weight, None, config)[0]
