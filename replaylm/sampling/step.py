@@ -74,7 +74,7 @@ class StepSampler:
 
     def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
-        self.state = SamplingState(max_num_seqs, device)
+        self.state = SamplingState(max_num_seqs, device, vocab_size)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
         self._logprobs_k: list[int | None] = [None] * max_num_seqs
         # Two pinned buffers and events, alternating: allocating pinned memory every step costs
