@@ -2,7 +2,8 @@
 
 A value that fits Python but not its per-slot device tensor (float32 / int64) must be refused
 by ``SamplingParams`` naming the field, never fail later inside a step. Values at the edges
-that are accepted must run.
+that are accepted must run. ``min_tokens`` masks EOS and ``stop_token_ids`` only, as
+transformers' ``MinNewTokensLengthLogitsProcessor`` does.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from replaylm import LLM, SamplingParams
+from replaylm.sampling.penalties import LogitsProcessorState
 from replaylm.sampling_params import FLOAT32_MAX, FLOAT32_TINY, GREEDY_BELOW, MAX_TOKEN_LIST
 
 BIG = 2**63
@@ -119,3 +122,52 @@ def test_top_k_at_or_above_vocab_is_no_limit(llm) -> None:
     for k in (256, 10**6, BIG - 1):
         assert _tokens(llm, temperature=1.0, seed=11, ignore_eos=True, max_tokens=12,
                        top_k=k) == free
+
+
+# --- min_tokens masks EOS and stop ids only (issue: token 0 was masked by the padding) -------
+
+V = 40
+
+
+def _hf_min_new_tokens(logits, prompt_len, generated, min_new, eos):
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    proc = MinNewTokensLengthLogitsProcessor(prompt_len, min_new, list(eos))
+    ids = torch.zeros(1, prompt_len + generated, dtype=torch.long)
+    return proc(ids, logits[None].clone())[0]
+
+
+@pytest.mark.parametrize("generated", [0, 2, 3, 5])
+def test_min_tokens_matches_transformers(generated) -> None:
+    """Slots with fewer stop ids than the table's width (it widened for slot 0) and a slot
+    with none at all (ignore_eos): only the listed ids are masked, never token 0."""
+    state = LogitsProcessorState(4, V, "cpu")
+    cases = [  # (params, eos passed to the slot)
+        (SamplingParams(min_tokens=3, stop_token_ids=[7, 9, 11, 13, 15], max_tokens=8), (2,)),
+        (SamplingParams(min_tokens=3, max_tokens=8), (2,)),
+        (SamplingParams(min_tokens=3, max_tokens=8, ignore_eos=True), ()),
+        (SamplingParams(min_tokens=3, stop_token_ids=[0], max_tokens=8), (2,)),
+    ]
+    for slot, (params, eos) in enumerate(cases):
+        state.set(slot, params, [4, 5, 6], [], eos_token_ids=eos)
+    state.flush()
+    logits = torch.randn(len(cases), V, generator=torch.Generator().manual_seed(generated))
+    slots = torch.arange(len(cases))
+    out_pos = torch.full((len(cases),), generated)
+    got = state.apply(logits, slots, out_pos, torch.ones(4), slots.tolist())
+    for i, (params, eos) in enumerate(cases):
+        masked = {*eos, *params.stop_token_ids}
+        want = _hf_min_new_tokens(logits[i], 3, generated, params.min_tokens, sorted(masked))
+        torch.testing.assert_close(got[i], want, msg=f"slot {i}")
+        if 0 not in masked:
+            assert got[i, 0] == logits[i, 0]
+
+
+def test_min_tokens_does_not_mask_token_zero_end_to_end(llm) -> None:
+    """Token 0 pushed to the top: it is generated during the min_tokens window too."""
+    wide = SamplingParams(min_tokens=4, max_tokens=6, stop_token_ids=list(range(100, 140)),
+                          temperature=0.0)
+    zero = SamplingParams(min_tokens=4, max_tokens=6, ignore_eos=True, temperature=0.0,
+                          logit_bias={0: 100.0})
+    outs = llm.generate([PROMPT, PROMPT], [wide, zero], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == [0] * 6
