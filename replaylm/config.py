@@ -55,6 +55,8 @@ _HELP: dict[str, str] = {
     "overlap_scheduling": "build and launch step N+1 while the GPU runs step N (samples reach "
     "the host one step late; stop checks lag one step)",
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
+    "max_stop_strings": "most stop strings a request may give",
+    "max_stop_string_length": "longest stop string a request may give, in characters",
 }
 
 
@@ -88,6 +90,8 @@ class EngineArgs:
     poison_padding: bool = False
     fused_kernels: bool = True
     overlap_scheduling: bool = True
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 256
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -103,6 +107,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.max_logprobs={self.max_logprobs!r} is invalid: "
                              "must be an integer >= 0")
         _positive("max_graph_tokens", self.max_graph_tokens)
+        _positive("max_stop_strings", self.max_stop_strings)
+        _positive("max_stop_string_length", self.max_stop_string_length)
         if self.max_graphs is not None:
             _positive("max_graphs", self.max_graphs)
         if not isinstance(self.graph_check, int) or self.graph_check < 0:

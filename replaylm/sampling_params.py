@@ -47,10 +47,13 @@ class SamplingParams:
     tokens: positive logits divided, negative multiplied), ``min_p`` keeps tokens whose
     probability is at least ``min_p`` times the top one's (after temperature), ``logit_bias``
     adds to chosen token ids' logits, and ``min_tokens`` masks EOS and ``stop_token_ids`` until
-    that many tokens have been generated (stop strings are ignored until then too).
+    that many tokens have been generated (a stop string counts only once more than that many
+    tokens exist, as in vLLM).
 
-    ``stop`` strings end the output when they appear in the text; the stop string itself is
-    dropped unless ``include_stop_str_in_output``. ``logprobs=k`` returns, per generated token,
+    ``stop`` strings end the output when they appear in the text (the first to complete; the
+    engine bounds their number and length, ``EngineArgs.max_stop_strings`` and
+    ``max_stop_string_length``); the stop string itself is dropped unless
+    ``include_stop_str_in_output``. ``logprobs=k`` returns, per generated token,
     its logprob and the top-``k`` alternatives; ``prompt_logprobs=k`` does the same for every
     prompt token after the first. Logprobs are of the raw model distribution (before penalties
     and temperature), like vLLM's default.

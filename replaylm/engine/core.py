@@ -313,6 +313,15 @@ def validate_features(params: SamplingParams, args: EngineArgs, vocab_size: int,
     if params.stop and not has_tokenizer:
         raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs on token ids): "
                          "use stop_token_ids")
+    if len(params.stop) > args.max_stop_strings:
+        raise ValueError(f"SamplingParams.stop=<{len(params.stop)} strings> is invalid: at most "
+                         f"EngineArgs.max_stop_strings={args.max_stop_strings} stop strings")
+    longest = max(params.stop, key=len, default="")
+    if len(longest) > args.max_stop_string_length:
+        raise ValueError(f"SamplingParams.stop=<a string of {len(longest)} characters> is "
+                         f"invalid: stop strings may have at most "
+                         f"EngineArgs.max_stop_string_length={args.max_stop_string_length} "
+                         "characters")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and k > args.max_logprobs:
