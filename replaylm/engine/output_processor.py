@@ -18,7 +18,7 @@ class OutputState:
 
     def __init__(self, req: Request, tokenizer: Any) -> None:
         p = req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, req.prompt_token_ids)
         self.stop = StopStringBuffer(p.stop or [], p.include_stop_str_in_output)
         self.sent_tokens = 0
         self.sent_prompt_logprobs = req.prompt_logprobs_k is None
