@@ -230,6 +230,11 @@ class EngineCore:
         With overlap scheduling the step launched here is resolved by the next call: the CPU
         schedules and builds step N+1 while the GPU runs step N, and samples reach the host one
         step late. Without it, each step is resolved before returning.
+
+        A failure that belongs to one request (writing its sampling settings into its slot,
+        detokenizing its text, matching its stop strings) finishes that request with
+        ``finish_reason="error"`` and the step goes on for the others. Anything else raised
+        here is an engine fault: the caller must treat every request as failed.
         """
         obs = self.step_observer
         if obs is not None:
@@ -237,12 +242,14 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
+        errors: list[RequestDelta] = []
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None)
             if obs is not None:
                 obs.launched(dispatch.kind, dispatch.tier, out.num_batched_tokens)
             self.scheduler.launched(out)
+            errors = [self._fail(req, e) for req, e in self.runner.sampler.take_failed()]
             self.stats.record_step(StepRecord(
                 mode=dispatch.kind, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
                 padded_tokens=padded, num_reqs=len(out.scheduled),
@@ -253,7 +260,7 @@ class EngineCore:
             resolve, self._inflight = self._inflight, launched
         else:
             resolve = launched
-        deltas = self._resolve(*resolve) if resolve is not None else []
+        deltas = errors + (self._resolve(*resolve) if resolve is not None else [])
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -268,11 +275,18 @@ class EngineCore:
             obs.waited(time.perf_counter() - t0)
         attach_logprobs(out, pending)
         changed = self.scheduler.update(out, sampled)
-        return [self._delta(req) for req in changed]
+        deltas = []
+        for req in changed:
+            try:
+                delta = make_delta(req, self.outputs[req], self.scheduler)
+            except Exception as e:  # detokenizing or stop matching: this request's failure
+                deltas.append(self._fail(req, e))
+                continue
+            self.stats.generated_tokens += len(delta.new_token_ids)
+            deltas.append(self._delta(req, delta))
+        return deltas
 
-    def _delta(self, req: Request) -> RequestDelta:
-        delta = make_delta(req, self.outputs[req], self.scheduler)
-        self.stats.generated_tokens += len(delta.new_token_ids)
+    def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:
             self.outputs.pop(req, None)
             group = self.requests.get(req.parent_id)
@@ -280,6 +294,21 @@ class EngineCore:
                 self.stats.requests_finished += 1
                 self.requests.pop(req.parent_id, None)
         return delta
+
+    def _fail(self, req: Request, err: Exception) -> RequestDelta:
+        """Finish ``req`` alone with ``finish_reason="error"``; its blocks and slot are freed
+        (or parked until a step in flight that uses them resolves) like any finish."""
+        message = f"{type(err).__name__}: {err}"
+        log.warning("request %s failed (the others go on): %s", req.request_id, message,
+                    exc_info=err)
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = message
+        self.stats.requests_failed += 1
+        return self._delta(req, RequestDelta(
+            req.parent_id, [], "", True, req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, index=req.index, error=message))
 
     def _refresh_gauges(self) -> None:
         self.stats.running = self.scheduler.num_running

@@ -134,6 +134,7 @@ class LLM:
                     if d.finished:
                         comp.finish_reason = d.finish_reason
                         comp.stop_reason = d.stop_reason
+                        comp.error = d.error
                         if all(c.finish_reason is not None for c in out.outputs):
                             out.finished = True
                             bar.update(1)

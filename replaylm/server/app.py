@@ -128,7 +128,9 @@ def build_app(core: EngineCore, max_queue: int = 1024,
             raise from_value_error(e, param) from e
         k = body.n * (1 if prompts is None else len(prompts))
         if not engine.admit(k):
-            why = "shutting down" if not engine.accepting else f"queue full ({engine.max_queue})"
+            why = ("the engine failed" if engine.fault is not None
+                   else "shutting down" if not engine.accepting
+                   else f"queue full ({engine.max_queue})")
             raise APIError(f"server busy: {why}; retry later", status=503, type_="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
         top_k = params[0].logprobs if with_logprobs and params[0].logprobs is not None else None

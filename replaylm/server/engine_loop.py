@@ -5,6 +5,11 @@ any other engine call are queued as commands and run here between steps (FIFO, s
 queued after an add always finds its request). Deltas go back to each request's
 ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. With nothing to run, the thread sleeps
 on a condition variable; it wakes for a command or for shutdown, never polls.
+
+A request that fails alone (``finish_reason="error"``) is just another finished request. If
+``step()`` itself raises, the engine is at fault: every in-flight request fails, the loop
+stops stepping, and ``alive`` turns False for good (``/health`` answers 503, so an
+orchestrator restarts the process).
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class EngineLoop:
         self.metrics = metrics
         self.accepting = True
         self.in_flight = 0  # event-loop thread only
+        self.fault: str | None = None  # set once step() raised: the engine is unusable
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stopping = False
@@ -86,7 +92,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.fault is None
 
     def admit(self, k: int) -> bool:
         """Reserve ``k`` engine requests; False when full or shutting down."""
@@ -172,13 +178,15 @@ class EngineLoop:
                 for rid in list(self._streams):
                     self._abort(rid)
                 return
-            if self.core.has_unfinished():
+            if self.fault is None and self.core.has_unfinished():
                 try:
                     self._dispatch(self.core.step())
-                except Exception as e:  # a bug must fail its requests, not hang the server
-                    log.exception("engine step failed; failing every in-flight request")
+                except Exception as e:  # an engine fault: fail everything, never hang
+                    log.exception("engine step failed: failing every in-flight request; the "
+                                  "server reports unhealthy from now on")
+                    self.fault = f"{type(e).__name__}: {e}"
                     self._fail_all(e)
-            busy = self.core.has_unfinished()
+            busy = self.fault is None and self.core.has_unfinished()
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         now = time.monotonic()

@@ -86,6 +86,9 @@ class Generation:
             choice, d = await self.queue.get()
             if isinstance(d, EngineFailure):
                 raise APIError(str(d), status=500, type_="server_error")
+            if d.finish_reason == "error":  # this request failed alone; the others go on
+                raise APIError(f"request failed: {getattr(d, 'error', None) or 'unknown error'}",
+                               status=500, type_="server_error")
             choice += getattr(d, "index", 0)
             if d.finished and d.request_id in self._open:
                 self._open[d.request_id] -= 1
