@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI endpoints over one ``EngineLoop``.
 
 Request handling order matters for robustness: parse and validate the body (400), check the
-model (400), take admission slots (503 + Retry-After), and only then touch the engine. Every
-failure path answers OpenAI's error JSON; nothing a client sends can stop the server.
+model (404 ``model_not_found``), refuse what could never be admitted (400), take admission
+slots (503 + Retry-After), and only then touch the engine. Every failure path answers OpenAI's
+error JSON (unknown routes and methods too); nothing a client sends can stop the server.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
 from replaylm.engine.core import EngineCore
@@ -96,6 +98,16 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         metrics.http_error(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, e: HTTPException) -> JSONResponse:
+        """Routing errors (404, 405) in OpenAI's shape rather than ``{"detail": ...}``."""
+        metrics.http_error(e.status_code)
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})",
+                   405: f"Method not allowed ({where})"}.get(e.status_code, str(e.detail))
+        err = APIError(message, status=e.status_code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(Exception)
     async def unexpected(_: HTTPRequest, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -111,8 +123,8 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         except ValidationError as e:
             raise from_validation_error(e) from None
         if body.model is not None and body.model not in aliases:
-            raise APIError(f"model {body.model!r} does not exist: this server serves {served!r}",
-                           param="model", code="model_not_found")
+            raise APIError(f"The model {body.model!r} does not exist: this server serves "
+                           f"{served!r}", param="model", status=404, code="model_not_found")
         return body
 
     async def generate(request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest,
@@ -127,6 +139,11 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         except ValueError as e:
             raise from_value_error(e, param) from e
         k = body.n * (1 if prompts is None else len(prompts))
+        if k > engine.max_queue:  # could never be admitted: the client must split it
+            field = "n" if body.n > engine.max_queue else param
+            raise APIError(f"this request needs {k} engine requests (n={body.n} per prompt) but "
+                           f"the server holds at most {engine.max_queue} at once: lower {field}",
+                           param=field)
         if not engine.admit(k):
             why = ("the engine failed" if engine.fault is not None
                    else "shutting down" if not engine.accepting
