@@ -133,29 +133,34 @@ class EngineCore:
 
     # Requests ------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
+                 tokenizer: Any = None) -> list[int]:
+        """Token ids of ``prompt`` (ids pass through). Reads nothing the engine changes, so
+        it may run on any thread; ``tokenizer`` (default: the engine's) lets a thread use
+        its own copy."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            tok = tokenizer if tokenizer is not None else self.tokenizer
+            if tok is None:
                 raise ValueError(
                     "this engine has no tokenizer (skip_tokenizer_init, or a named shape): "
                     "pass prompts as lists of token ids"
                 )
-            return self.tokenizer.encode(prompt)
+            return tokenize_text(tok, prompt, self.max_model_len, add_special_tokens)
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` for a request the engine cannot run; changes nothing."""
+        """Raise ``ValueError`` for a request the engine cannot run; changes nothing.
+
+        The length is checked before any per-token work, so an oversized prompt costs O(1).
+        """
         if not prompt_ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(_too_long(len(prompt_ids), self.max_model_len))
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})"
-            )
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but max_model_len={self.max_model_len} "
-                "leaves no room for output (prompt must be shorter than max_model_len)"
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
@@ -326,6 +331,62 @@ class EngineCore:
         group = self.requests.get(request_id)
         state = self.outputs.get(group[0]) if group else None
         return state.text[: state.stop.sent] if state is not None else ""
+
+
+#: Texts longer than this many characters per ``max_model_len`` token are counted first.
+_LONG_TEXT_CHARS_PER_TOKEN = 4
+#: Characters counted per backend call when a long text is counted (at most; fewer for a
+#: small ``max_model_len``, whose limit a piece of a few times its size already shows).
+_COUNT_CHUNK_CHARS = 1 << 16
+#: Counting piece by piece may see a few more tokens than the whole text has, around each
+#: cut; the count must pass the limit by this much, plus this much per cut, to refuse.
+_COUNT_SLACK = 16
+_CUT_SLACK = 8
+
+
+def _too_long(n: int, max_model_len: int, at_least: bool = False) -> str:
+    return (f"prompt has {'more than ' if at_least else ''}{n} tokens but "
+            f"max_model_len={max_model_len} leaves no room for output (prompt must be shorter "
+            "than max_model_len)")
+
+
+def tokenize_text(tokenizer: Any, text: str, max_model_len: int,
+                  add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``, refusing a text far too long for ``max_model_len`` cheaply.
+
+    Encoding megabytes of text at once builds (and frees) a million-token encoding while
+    holding the interpreter lock for a tenth of a second or more, stalling every other thread
+    (the engine loop, the event loop), and takes seconds. A long text is counted instead, a
+    piece at a time by the fast tokenizer's backend (which releases the lock while it works),
+    and refused as soon as the count cannot fit; pieces are cut where a whitespace run begins,
+    so they tokenize as they do inside the whole text.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if len(text) > _LONG_TEXT_CHARS_PER_TOKEN * max_model_len \
+            and hasattr(backend, "encode_batch"):
+        counted, start, cuts = 0, 0, 0
+        chunk = min(_COUNT_CHUNK_CHARS, max(4096, 2 * _LONG_TEXT_CHARS_PER_TOKEN * max_model_len))
+        while start < len(text):
+            end = _cut(text, start, start + chunk)
+            piece = backend.encode_batch([text[start:end]], add_special_tokens=False)[0]
+            counted += len(piece)
+            if counted >= max_model_len + _COUNT_SLACK + _CUT_SLACK * cuts:
+                raise ValueError(_too_long(counted - _CUT_SLACK * cuts, max_model_len,
+                                           at_least=True))
+            start, cuts = end, cuts + 1
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """Where to end the piece ``text[start:end]``: where its last whitespace run begins, if
+    that leaves at least half the piece; else ``end`` itself (also at the text's end)."""
+    if end >= len(text):
+        return len(text)
+    half = start + (end - start) // 2
+    i = max(text.rfind(" ", half, end), text.rfind("\n", half, end))
+    while i > half and text[i - 1].isspace():
+        i -= 1
+    return i if i > half else end
 
 
 def sibling_seed(seed: int, index: int) -> int:

@@ -86,7 +86,7 @@ class LLM:
                 list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            prompts.append(tok.encode(text, add_special_tokens=False))
+            prompts.append(self.engine.tokenize(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(

@@ -8,11 +8,12 @@ error JSON (unknown routes and methods too); nothing a client sends can stop the
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.server.engine_loop import EngineLoop, NotAccepting
 from replaylm.server.generation import Generation, GenerationStream
 from replaylm.server.metrics import CONTENT_TYPE, ServerMetrics
+from replaylm.server.prompts import PromptWorkers
 from replaylm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -51,24 +53,6 @@ def logprobs_supported() -> bool:
     return engine_supports("logprobs") and "logprobs" in delta_fields
 
 
-def chat_prompt_ids(core: EngineCore, messages: list[dict[str, str]]) -> list[int]:
-    """The tokenizer's chat template applied to ``messages`` (runs on the engine thread)."""
-    tok = core.tokenizer
-    if tok is None:
-        raise APIError("this engine has no tokenizer, so it cannot apply a chat template",
-                       param="messages")
-    if not getattr(tok, "chat_template", None):
-        raise APIError("this model's tokenizer has no chat template: use /v1/completions",
-                       param="messages")
-    try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # jinja raises its own types for templates that refuse a message
-        raise APIError(f"messages rejected by the chat template: {e}", param="messages") from e
-    if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
 def build_app(core: EngineCore, max_queue: int = 1024,
               served_model_name: str | None = None) -> FastAPI:
     """An app serving ``core``; its engine loop starts and stops with the app's lifespan."""
@@ -76,6 +60,7 @@ def build_app(core: EngineCore, max_queue: int = 1024,
     aliases = {served, core.args.model, core.model_config.name}
     metrics = ServerMetrics(core.stats, lambda: engine.in_flight)
     engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
+    workers = PromptWorkers(core)
     with_logprobs = logprobs_supported()
 
     @asynccontextmanager
@@ -84,6 +69,7 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         try:
             yield
         finally:
+            workers.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="replaylm", lifespan=lifespan)
@@ -136,6 +122,7 @@ def build_app(core: EngineCore, max_queue: int = 1024,
                 params = [sampling_params(body, 0, with_logprobs, n=body.n)]
             else:
                 params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
+            await workers.check(params)
         except ValueError as e:
             raise from_value_error(e, param) from e
         k = body.n * (1 if prompts is None else len(prompts))
@@ -156,10 +143,14 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         shapes = Shapes(response_id, int(time.time()), served, chat)
         gen = Generation(engine, shapes, k, body.include_usage, lp, param)
         try:
-            if chat:
-                messages = [m.as_template_dict() for m in body.messages]
-                prompts = [await engine.call(lambda c: chat_prompt_ids(c, messages))]
-            await gen.start(prompts, params, body.n)
+            try:  # on the prompt workers: a long prompt never stalls the engine thread
+                if chat:
+                    ids = [await workers.chat_ids([m.as_template_dict() for m in body.messages])]
+                else:
+                    ids = list(await asyncio.gather(*(workers.prompt_ids(p) for p in prompts)))
+            except ValueError as e:
+                raise from_value_error(e, param) from e
+            await gen.start(ids, params, body.n)
         except NotAccepting:
             gen.close()
             raise APIError("server is shutting down", status=503, type_="server_error",
