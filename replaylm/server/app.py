@@ -1,6 +1,7 @@
 """The FastAPI application: OpenAI endpoints over one ``EngineLoop``.
 
-Request handling order matters for robustness: parse and validate the body (400), check the
+Request handling order matters for robustness: read the body within the size limit (413; a
+client gone mid-upload is logged once at info and counted as 499), parse and validate it (400), check the
 model (404 ``model_not_found``), refuse what could never be admitted (400), take admission
 slots (503 + Retry-After), and only then touch the engine. Every failure path answers OpenAI's
 error JSON (unknown routes and methods too); nothing a client sends can stop the server.
@@ -21,10 +22,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import RequestDelta
+from replaylm.server.connections import TIMED_OUT
 from replaylm.server.engine_loop import EngineLoop, NotAccepting
 from replaylm.server.generation import Generation, GenerationStream
 from replaylm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -44,7 +47,12 @@ from replaylm.server.responses import LogprobFormatter, Shapes
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # a queue slot frees as soon as any in-flight request ends
+CLIENT_GONE = 499  # the metrics label of requests whose client left before sending all of it
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body was in."""
 
 
 def logprobs_supported() -> bool:
@@ -53,9 +61,10 @@ def logprobs_supported() -> bool:
     return engine_supports("logprobs") and "logprobs" in delta_fields
 
 
-def build_app(core: EngineCore, max_queue: int = 1024,
-              served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``core``; its engine loop starts and stops with the app's lifespan."""
+def build_app(core: EngineCore, max_queue: int = 1024, served_model_name: str | None = None,
+              max_request_bytes: int = 8 * 2**20) -> FastAPI:
+    """An app serving ``core``; its engine loop starts and stops with the app's lifespan.
+    Request bodies above ``max_request_bytes`` are answered 413."""
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
     metrics = ServerMetrics(core.stats, lambda: engine.in_flight)
@@ -76,6 +85,7 @@ def build_app(core: EngineCore, max_queue: int = 1024,
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_name = served
+    app.state.max_request_bytes = max_request_bytes
     # Whether the engine runs n > 1 siblings itself; if not, the server fans choices out.
     app.state.native_n = native_n_supported()
 
@@ -94,6 +104,14 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         err = APIError(message, status=e.status_code)
         return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: HTTPRequest, _: ClientGone) -> Response:
+        if not request.scope.get(TIMED_OUT):  # a timeout was logged and counted as 408
+            log.info("client %s closed the connection while sending its request",
+                     request.client.host if request.client else "?")
+            metrics.http_error(CLIENT_GONE)
+        return Response(status_code=CLIENT_GONE)  # nobody reads it
+
     @app.exception_handler(Exception)
     async def unexpected(_: HTTPRequest, e: Exception) -> JSONResponse:
         log.exception("unhandled error")
@@ -102,8 +120,27 @@ def build_app(core: EngineCore, max_queue: int = 1024,
                        type_="server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    async def read_body(request: HTTPRequest) -> bytes:
+        limit = app.state.max_request_bytes
+        too_large = APIError(f"request body exceeds the server's limit of {limit} bytes",
+                             status=413, code="request_too_large",
+                             headers={"Connection": "close"})
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large  # refused before reading any of it
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
+
     async def parse(request: HTTPRequest, model: type[Body]) -> Body:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             body = model.model_validate_json(raw)
         except ValidationError as e:

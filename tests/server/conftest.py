@@ -62,13 +62,16 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serve(core: EngineCore, **app_kwargs: Any) -> Iterator[LiveServer]:
-    """``core`` served on a free loopback port by uvicorn in a background thread."""
+def serve(core: EngineCore, request_timeout: float = 30.0,
+          **app_kwargs: Any) -> Iterator[LiveServer]:
+    """``core`` served on a free loopback port by uvicorn in a background thread, with the
+    settings ``replaylm serve`` uses."""
     from replaylm.server.app import build_app
+    from replaylm.server.serve import uvicorn_config
 
     app = build_app(core, **app_kwargs)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn_config(app, "127.0.0.1", 0, "warning", request_timeout,
+                            shutdown_timeout=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
