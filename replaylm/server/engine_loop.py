@@ -46,6 +46,10 @@ class NotAccepting(RuntimeError):
     """The loop is shutting down (or stopped) and takes no new work."""
 
 
+class ShuttingDown(EngineFailure):
+    """Put on a request's queue when shutdown cancels it (past ``--shutdown-timeout``)."""
+
+
 @dataclass
 class _Stream:
     """Where one engine request's deltas go; with native ``n > 1`` its siblings share it."""
@@ -79,6 +83,7 @@ class EngineLoop:
         self.accepting = True
         self.in_flight = 0  # event-loop thread only
         self.fault: str | None = None  # set once step() raised: the engine is unusable
+        self._cancelled: str | None = None  # set by cancel_all: adds are refused from then on
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stopping = False
@@ -114,6 +119,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
 
         def add(core: EngineCore) -> int:
+            if self._cancelled is not None:
+                raise NotAccepting(self._cancelled)
             req = core.add_request(request_id, prompt, params)
             self._streams[request_id] = _Stream(loop, queue, choice, time.monotonic(),
                                                 unfinished=set(range(params.n)))
@@ -142,6 +149,25 @@ class EngineLoop:
             self._submit(lambda: self._abort(request_id))
         except NotAccepting:
             pass  # the loop aborts everything itself when it stops
+
+    def cancel_all(self, reason: str) -> None:
+        """End every in-flight request now (shutdown past its timeout): each reader gets
+        ``ShuttingDown(reason)``, and requests still on their way in are refused. Thread-safe."""
+        def cancel() -> None:
+            self._cancelled = reason
+            now = time.monotonic()
+            for rid, s in list(self._streams.items()):
+                self.core.abort(rid)
+                if self.metrics is not None:
+                    for _ in s.unfinished:
+                        self.metrics.finished("abort", now - s.arrival)
+                s.put((s.choice, ShuttingDown(reason)))
+            self._streams.clear()
+
+        try:
+            self._submit(cancel)
+        except NotAccepting:
+            pass  # the loop has stopped: it aborted everything itself
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread: queued commands run, then every unfinished request is aborted."""

@@ -29,7 +29,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="model id clients use (default: the --model value)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before cancelling "
-                     "them (default: 30)")
+                     "them; each cancelled one still gets a final answer, a 503 error JSON or, "
+                     "streaming, an error event and [DONE] (default: 30)")
     srv.add_argument("--request-timeout", type=float, default=30.0,
                      help="seconds a client has to send a request's headers and body; past "
                      "it the server answers 408 and closes the connection (default: 30)")
@@ -71,7 +72,11 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
                     max_request_bytes=ns.max_request_bytes)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
                             ns.shutdown_timeout)
-    server = GracefulServer(config, on_exit=lambda: _stop_accepting(app))
+    reason = (f"server shutting down: the request was cancelled after --shutdown-timeout "
+              f"({ns.shutdown_timeout:g} s)")
+    server = GracefulServer(config, on_exit=lambda: _stop_accepting(app),
+                            on_deadline=lambda: app.state.engine.cancel_all(reason),
+                            deadline_s=ns.shutdown_timeout)
     server.run()
     if not server.started:
         return 1  # e.g. the port is taken: uvicorn has logged why
@@ -82,15 +87,19 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info",
                    request_timeout: float = 30.0, shutdown_timeout: float = 30.0) -> Any:
     """uvicorn's settings for ``app``: the h11 protocol with a receive deadline
-    (``connections.TimedH11Protocol``), no access log."""
+    (``connections.TimedH11Protocol``), no access log, and a drain that outlasts
+    ``shutdown_timeout`` by ``graceful.SHUTDOWN_GRACE_S`` (the app cancels its requests at
+    ``shutdown_timeout`` itself, ``GracefulServer``)."""
     import uvicorn
 
     from replaylm.server.connections import timed_h11_protocol
+    from replaylm.server.graceful import SHUTDOWN_GRACE_S
 
     metrics = app.state.metrics
     protocol = timed_h11_protocol(request_timeout, on_timeout=lambda: metrics.http_error(408))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+                          timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,
+                          access_log=False)
 
 
 def _stop_accepting(app: Any) -> None:
