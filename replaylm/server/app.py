@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # a queue slot frees as soon as any in-flight request ends
 CLIENT_GONE = 499  # the metrics label of requests whose client left before sending all of it
+#: A body over the size limit but under this many times it is read to its end (and dropped)
+#: before the 413, so the client, still sending, reads the answer instead of a reset
+#: connection; a larger one is answered at once and the connection closed.
+DRAIN_FACTOR = 4
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 
 
@@ -126,17 +130,24 @@ def build_app(core: EngineCore, max_queue: int = 1024, served_model_name: str | 
                              status=413, code="request_too_large",
                              headers={"Connection": "close"})
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        over = declared.isdigit() and int(declared) > limit
+        if over and int(declared) > DRAIN_FACTOR * limit:
             raise too_large  # refused before reading any of it
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > limit:
-                    raise too_large
+                if over or size > limit:  # over the limit: read on, keep nothing
+                    over = True
+                    chunks.clear()
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    continue
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone() from None
+        if over:
+            raise too_large
         return b"".join(chunks)
 
     async def parse(request: HTTPRequest, model: type[Body]) -> Body:
