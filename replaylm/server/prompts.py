@@ -33,6 +33,10 @@ class PromptWorkers:
         self.core = core
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="replaylm-prompts")
         self._local = threading.local()
+        # One tokenizer copy per worker, made now: copying a large tokenizer holds the
+        # interpreter lock, which no request should wait on.
+        tok = core.tokenizer
+        self._spares = [copy.deepcopy(tok) for _ in range(workers)] if tok is not None else []
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -40,8 +44,9 @@ class PromptWorkers:
     def _tokenizer(self) -> Any:
         """This thread's copy of the engine's tokenizer (None without one)."""
         tok = getattr(self._local, "tokenizer", None)
-        if tok is None and self.core.tokenizer is not None:
-            tok = self._local.tokenizer = copy.deepcopy(self.core.tokenizer)
+        if tok is None:  # a worker's first task: take its copy (the pool has one per worker)
+            tok = self._spares.pop() if self._spares else self.core.tokenizer
+            self._local.tokenizer = tok
         return tok
 
     async def _run(self, fn: Callable[[], T]) -> T:
