@@ -60,6 +60,8 @@ _HELP: dict[str, str] = {
     "rope_in_attention_max_reqs": "decode steps of up to this many requests do q/k norm, "
     "rotary and the KV write inside the attention launch (fused kernels, modes that graph "
     "attention with the model); 0 = never",
+    "max_stop_strings": "most stop strings a request may give",
+    "max_stop_string_length": "longest stop string a request may give, in characters",
 }
 
 
@@ -95,6 +97,8 @@ class EngineArgs:
     overlap_scheduling: bool = True
     pdl: str = "auto"
     rope_in_attention_max_reqs: int = 1
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 256
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -109,6 +113,8 @@ class EngineArgs:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("max_logprobs", self.max_logprobs)
         _positive("max_graph_tokens", self.max_graph_tokens)
+        _positive("max_stop_strings", self.max_stop_strings)
+        _positive("max_stop_string_length", self.max_stop_string_length)
         if self.max_graphs is not None:
             _positive("max_graphs", self.max_graphs)
         _non_negative("graph_check", self.graph_check)

@@ -1,19 +1,43 @@
-"""Per-request sampling settings, validated on construction."""
+"""Per-request sampling settings, validated on construction.
+
+Every numeric field is checked against the range it can take where it lands: per-slot device
+tensors hold temperature, top-p, min-p and the penalties as float32 and top-k, min_tokens and
+seeds as int64, so a value that fits Python but not its tensor is refused here, naming the
+field, rather than failing inside a step.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 # Penalties are kept in vLLM's accepted ranges: beyond them the distribution degenerates.
 MAX_ABS_PRESENCE_FREQUENCY = 2.0
+#: Temperatures below this are greedy (vLLM's rule): dividing logits by a smaller (or
+#: subnormal) temperature overflows float32 and samples garbage instead of the argmax.
+GREEDY_BELOW = 1e-5
+#: The largest finite float32: per-slot float settings are stored in float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest normal float32: a positive divisor below it underflows to 0 or loses precision.
+FLOAT32_TINY = 1.1754943508222875e-38
+#: One past the largest int64: per-slot integer settings are stored in int64 tensors.
+INT64_END = 2**63
+#: Most choices per request (each is a request of its own in the scheduler).
+MAX_N = 4096
+#: Most ``logit_bias`` entries and ``stop_token_ids``: each request's list is a row of a
+#: ``[max_num_seqs, width]`` device table as wide as the longest list in use.
+MAX_TOKEN_LIST = 1024
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output (vLLM-compatible names).
 
-    ``temperature=0`` is greedy. ``top_k=-1`` (or 0) and ``top_p=1`` disable those filters.
+    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_BELOW`` (1e-5).
+    ``top_k=-1`` (or 0, or any value at least the vocabulary size) and ``top_p=1`` disable
+    those filters.
     ``seed`` makes a request's samples reproducible whatever batch it lands in; with ``n > 1``
     sibling ``i`` samples from a stream derived from ``(seed, i)`` (sibling 0 uses ``seed``).
 
@@ -23,10 +47,13 @@ class SamplingParams:
     tokens: positive logits divided, negative multiplied), ``min_p`` keeps tokens whose
     probability is at least ``min_p`` times the top one's (after temperature), ``logit_bias``
     adds to chosen token ids' logits, and ``min_tokens`` masks EOS and ``stop_token_ids`` until
-    that many tokens have been generated (stop strings are ignored until then too).
+    that many tokens have been generated (a stop string counts only once more than that many
+    tokens exist, as in vLLM).
 
-    ``stop`` strings end the output when they appear in the text; the stop string itself is
-    dropped unless ``include_stop_str_in_output``. ``logprobs=k`` returns, per generated token,
+    ``stop`` strings end the output when they appear in the text (the first to complete; the
+    engine bounds their number and length, ``EngineArgs.max_stop_strings`` and
+    ``max_stop_string_length``); the stop string itself is dropped unless
+    ``include_stop_str_in_output``. ``logprobs=k`` returns, per generated token,
     its logprob and the top-``k`` alternatives; ``prompt_logprobs=k`` does the same for every
     prompt token after the first. Logprobs are of the raw model distribution (before penalties
     and temperature), like vLLM's default.
@@ -54,42 +81,42 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _int("n", self.n, 1, MAX_N)
         _check(
             self.best_of is None or self.best_of == self.n, "best_of", self.best_of,
             "must be None or equal to n (ranking best_of > n candidates is not supported)",
         )
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "must be -1 (off) or >= 0")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens", self.max_tokens, "must be >= 1 (or None for up to max_model_len)",
-        )
-        _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            "min_tokens", self.min_tokens, "must be an integer >= 0",
-        )
+        _float("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "must be -1 (off) or an integer >= 0")
+        _float("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1, INT64_END - 1,
+                 "(or None for up to max_model_len)")
+        _int("min_tokens", self.min_tokens, 0, INT64_END - 1)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
-        _check(
-            self.seed is None or 0 <= self.seed < 2**63,
-            "seed", self.seed, "must be in [0, 2**63)",
-        )
+        if self.seed is not None:
+            _int("seed", self.seed, 0, INT64_END - 1)
+        if isinstance(self.stop_token_ids, str | bytes):
+            _check(False, "stop_token_ids", self.stop_token_ids, "must be a list of token ids")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check(len(self.stop_token_ids) <= MAX_TOKEN_LIST, "stop_token_ids",
+               f"<{len(self.stop_token_ids)} ids>", f"at most {MAX_TOKEN_LIST} ids")
         for t in self.stop_token_ids:
-            _check(isinstance(t, int) and t >= 0, "stop_token_ids", t, "must be non-negative ints")
+            _check(_is_int(t) and 0 <= t < INT64_END, "stop_token_ids", t,
+                   "must be token ids (integers >= 0)")
         if self.top_k == 0:
             self.top_k = -1
         self._check_stop()
         self._check_penalties()
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and v >= 0), name, v,
-                   "must be None or an integer >= 0")
+            if v is not None:
+                _int(name, v, 0, INT64_END - 1, "(or None)")
 
     def _check_stop(self) -> None:
         if self.stop is None:
@@ -104,27 +131,30 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         lim = MAX_ABS_PRESENCE_FREQUENCY
         for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            _check(math.isfinite(v) and -lim <= v <= lim, name, v, f"must be in [-{lim}, {lim}]")
-        _check(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-            "repetition_penalty", self.repetition_penalty, "must be > 0 (1 is off)",
-        )
+            _float(name, getattr(self, name), -lim, lim)
+        _float("repetition_penalty", self.repetition_penalty, FLOAT32_TINY, FLOAT32_MAX,
+               "(1 is off)")
         if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", self.logit_bias,
+                   "must be a mapping of token id to bias")
+            _check(len(self.logit_bias) <= MAX_TOKEN_LIST, "logit_bias",
+                   f"<{len(self.logit_bias)} entries>", f"at most {MAX_TOKEN_LIST} entries")
             bias = {}
-            for k, v in dict(self.logit_bias).items():
-                # JSON clients send ids as strings: accept "42" like OpenAI does.
-                tid = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
-                _check(isinstance(tid, int) and tid >= 0, "logit_bias", k,
-                       "keys must be non-negative token ids")
-                _check(isinstance(v, int | float) and -100.0 <= v <= 100.0, "logit_bias", v,
-                       "values must be in [-100, 100]")
+            for k, v in self.logit_bias.items():
+                # JSON clients send ids as strings: accept "42" like OpenAI does (ASCII digits
+                # only: str.isdigit would also pass "²", which int() then refuses).
+                tid = int(k) if isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k) else k
+                _check(_is_int(tid) and 0 <= tid < INT64_END, "logit_bias", k,
+                       "keys must be token ids (integers >= 0)")
+                _check(_is_finite(v) and -100.0 <= v <= 100.0,
+                       "logit_bias", v, "values must be numbers in [-100, 100]")
                 bias[tid] = float(v)
             self.logit_bias = bias or None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below ``GREEDY_BELOW``: the argmax is taken."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_penalties(self) -> bool:
@@ -147,3 +177,31 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {rule}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: object) -> bool:
+    """A finite int or float (not a bool); a huge int is finite (and compared exactly)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
+
+
+def _int(name: str, value: object, lo: int, hi: int, note: str = "") -> None:
+    """An integer (not a bool) in ``[lo, hi]``."""
+    top = "2**63 - 1" if hi == INT64_END - 1 else str(hi)
+    _check(_is_int(value) and lo <= value <= hi, name, value,
+           f"must be an integer in [{lo}, {top}]" + (f" {note}" if note else ""))
+
+
+def _float(name: str, value: object, lo: float, hi: float, note: str = "",
+           low_open: bool = False) -> None:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``low_open``)."""
+    ok = _is_finite(value) and (lo < value if low_open else lo <= value) and value <= hi
+    top = "3.4e38 (float32)" if hi == FLOAT32_MAX else f"{hi:g}"
+    bottom = "1.2e-38" if lo == FLOAT32_TINY else f"{lo:g}"
+    _check(ok, name, value, f"must be a finite number in {'(' if low_open else '['}{bottom}, "
+           f"{top}]" + (f" {note}" if note else ""))

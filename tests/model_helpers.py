@@ -35,3 +35,13 @@ def one_request_meta(start: int, n: int, blocks: list[int], device="cpu") -> Att
         num_reqs=1, max_q_len=n, max_kv_len=start + n, cu_seqlens_q_cpu=[0, n],
         kv_lens_cpu=[start + n],
     )
+
+
+def decode_step(model, seq: list[int], token: int, blocks: list[int], device="cpu"):
+    """Append ``token`` to ``seq`` and run it through ``model`` as one decode step over
+    ``blocks`` (the earlier tokens' K/V already there); returns its logits ``[1, V]``."""
+    seq.append(token)
+    pos = len(seq) - 1
+    return model.compute_logits(model(torch.tensor([token], device=device),
+                                      torch.tensor([pos], device=device),
+                                      one_request_meta(pos, 1, blocks, device)))

@@ -65,6 +65,14 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
     return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
 
 
+def prompt_seed(seed: int, batch: int, repeat: int | None) -> int:
+    """Seed of the prompts of timed ``repeat`` (``None``: the warm-up) of the batch-``batch``
+    row. Every (row, repeat) and every warm-up draws its own prompts, so no timed call finds an
+    earlier call's prompt in the prefix cache (caching stays on, as in a real run)."""
+    base = seed + 1000 * (batch - 1)
+    return base + 1 if repeat is None else base + 2 * repeat
+
+
 def greedy_params(new_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
@@ -124,11 +132,12 @@ def bench_batch1(
 ) -> DecodeRow:
     """Batch-1 decode: warm-up once, then best of ``repeats`` whole ``generate`` calls."""
     params = greedy_params(new_tokens)
-    # Different prompts for warm-up and timed runs, so no prefix reuse can flatter the numbers.
-    warm = random_prompts(1, prompt_len, _vocab_of(llm), seed + 1)
-    prompt = random_prompts(1, prompt_len, _vocab_of(llm), seed)
-    timed_generate(llm, warm, params)
-    runs = [timed_generate(llm, prompt, params) for _ in range(max(1, repeats))]
+    vocab = _vocab_of(llm)
+    # Different prompts for the warm-up and every timed run (``prompt_seed``), so no prefix
+    # reuse can flatter the numbers.
+    timed_generate(llm, random_prompts(1, prompt_len, vocab, prompt_seed(seed, 1, None)), params)
+    runs = [timed_generate(llm, random_prompts(1, prompt_len, vocab, prompt_seed(seed, 1, r)),
+                           params) for r in range(max(1, repeats))]
     walls = [w for w, _ in runs]
     best = min(range(len(runs)), key=lambda i: walls[i])
     wall, generated = runs[best]
@@ -154,9 +163,11 @@ def bench_batched(
     """
     params = greedy_params(new_tokens)
     vocab = _vocab_of(llm)
-    timed_generate(llm, random_prompts(batch_size, prompt_len, vocab, seed + 1), params)
-    prompts = random_prompts(batch_size, prompt_len, vocab, seed)
-    runs = [timed_generate(llm, prompts, params) for _ in range(max(1, repeats))]
+    timed_generate(llm, random_prompts(batch_size, prompt_len, vocab,
+                                       prompt_seed(seed, batch_size, None)), params)
+    runs = [timed_generate(llm, random_prompts(batch_size, prompt_len, vocab,
+                                               prompt_seed(seed, batch_size, r)), params)
+            for r in range(max(1, repeats))]
     walls = [w for w, _ in runs]
     best = min(range(len(runs)), key=lambda i: walls[i])
     wall, generated = runs[best]
@@ -240,7 +251,8 @@ def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: 
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     stem = f"{out_dir}/{row.mode}_b{row.batch}"
-    prompts = random_prompts(row.batch, prompt_len, _vocab_of(llm), seed)
+    prompts = random_prompts(row.batch, prompt_len, _vocab_of(llm),
+                             prompt_seed(seed, row.batch, 0))
     result = profile_run(llm, prompts, greedy_params(row.new_tokens),
                          trace_path=f"{stem}.trace.json")
     with open(f"{stem}.steps.json", "w") as f:

@@ -133,29 +133,34 @@ class EngineCore:
 
     # Requests ------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
+                 tokenizer: Any = None) -> list[int]:
+        """Token ids of ``prompt`` (ids pass through). Reads nothing the engine changes, so
+        it may run on any thread; ``tokenizer`` (default: the engine's) lets a thread use
+        its own copy."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            tok = tokenizer if tokenizer is not None else self.tokenizer
+            if tok is None:
                 raise ValueError(
                     "this engine has no tokenizer (skip_tokenizer_init, or a named shape): "
                     "pass prompts as lists of token ids"
                 )
-            return self.tokenizer.encode(prompt)
+            return tokenize_text(tok, prompt, self.max_model_len, add_special_tokens)
         return list(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` for a request the engine cannot run; changes nothing."""
+        """Raise ``ValueError`` for a request the engine cannot run; changes nothing.
+
+        The length is checked before any per-token work, so an oversized prompt costs O(1).
+        """
         if not prompt_ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(_too_long(len(prompt_ids), self.max_model_len))
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})"
-            )
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but max_model_len={self.max_model_len} "
-                "leaves no room for output (prompt must be shorter than max_model_len)"
             )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
@@ -230,6 +235,11 @@ class EngineCore:
         With overlap scheduling the step launched here is resolved by the next call: the CPU
         schedules and builds step N+1 while the GPU runs step N, and samples reach the host one
         step late. Without it, each step is resolved before returning.
+
+        A failure that belongs to one request (writing its sampling settings into its slot,
+        detokenizing its text, matching its stop strings) finishes that request with
+        ``finish_reason="error"`` and the step goes on for the others. Anything else raised
+        here is an engine fault: the caller must treat every request as failed.
         """
         obs = self.step_observer
         if obs is not None:
@@ -237,12 +247,14 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
+        errors: list[RequestDelta] = []
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None)
             if obs is not None:
                 obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
             self.scheduler.launched(out)
+            errors = [self._fail(req, e) for req, e in self.runner.sampler.take_failed()]
             self.stats.record_step(StepRecord(
                 mode=dispatch.mode, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
                 padded_tokens=padded, num_reqs=len(out.scheduled),
@@ -253,7 +265,7 @@ class EngineCore:
             resolve, self._inflight = self._inflight, launched
         else:
             resolve = launched
-        deltas = self._resolve(*resolve) if resolve is not None else []
+        deltas = errors + (self._resolve(*resolve) if resolve is not None else [])
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -268,11 +280,18 @@ class EngineCore:
             obs.waited(time.perf_counter() - t0)
         attach_logprobs(out, pending)
         changed = self.scheduler.update(out, sampled)
-        return [self._delta(req) for req in changed]
+        deltas = []
+        for req in changed:
+            try:
+                delta = make_delta(req, self.outputs[req], self.scheduler)
+            except Exception as e:  # detokenizing or stop matching: this request's failure
+                deltas.append(self._fail(req, e))
+                continue
+            self.stats.generated_tokens += len(delta.new_token_ids)
+            deltas.append(self._delta(req, delta))
+        return deltas
 
-    def _delta(self, req: Request) -> RequestDelta:
-        delta = make_delta(req, self.outputs[req], self.scheduler)
-        self.stats.generated_tokens += len(delta.new_token_ids)
+    def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:
             self.outputs.pop(req, None)
             group = self.requests.get(req.parent_id)
@@ -280,6 +299,21 @@ class EngineCore:
                 self.stats.requests_finished += 1
                 self.requests.pop(req.parent_id, None)
         return delta
+
+    def _fail(self, req: Request, err: Exception) -> RequestDelta:
+        """Finish ``req`` alone with ``finish_reason="error"``; its blocks and slot are freed
+        (or parked until a step in flight that uses them resolves) like any finish."""
+        message = f"{type(err).__name__}: {err}"
+        log.warning("request %s failed (the others go on): %s", req.request_id, message,
+                    exc_info=err)
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = message
+        self.stats.requests_failed += 1
+        return self._delta(req, RequestDelta(
+            req.parent_id, [], "", True, req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, index=req.index, error=message))
 
     def _refresh_gauges(self) -> None:
         self.stats.running = self.scheduler.num_running
@@ -299,6 +333,62 @@ class EngineCore:
         return state.text[: state.stop.sent] if state is not None else ""
 
 
+#: Texts longer than this many characters per ``max_model_len`` token are counted first.
+_LONG_TEXT_CHARS_PER_TOKEN = 4
+#: Characters counted per backend call when a long text is counted (at most; fewer for a
+#: small ``max_model_len``, whose limit a piece of a few times its size already shows).
+_COUNT_CHUNK_CHARS = 1 << 16
+#: Counting piece by piece may see a few more tokens than the whole text has, around each
+#: cut; the count must pass the limit by this much, plus this much per cut, to refuse.
+_COUNT_SLACK = 16
+_CUT_SLACK = 8
+
+
+def _too_long(n: int, max_model_len: int, at_least: bool = False) -> str:
+    return (f"prompt has {'more than ' if at_least else ''}{n} tokens but "
+            f"max_model_len={max_model_len} leaves no room for output (prompt must be shorter "
+            "than max_model_len)")
+
+
+def tokenize_text(tokenizer: Any, text: str, max_model_len: int,
+                  add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)``, refusing a text far too long for ``max_model_len`` cheaply.
+
+    Encoding megabytes of text at once builds (and frees) a million-token encoding while
+    holding the interpreter lock for a tenth of a second or more, stalling every other thread
+    (the engine loop, the event loop), and takes seconds. A long text is counted instead, a
+    piece at a time by the fast tokenizer's backend (which releases the lock while it works),
+    and refused as soon as the count cannot fit; pieces are cut where a whitespace run begins,
+    so they tokenize as they do inside the whole text.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if len(text) > _LONG_TEXT_CHARS_PER_TOKEN * max_model_len \
+            and hasattr(backend, "encode_batch"):
+        counted, start, cuts = 0, 0, 0
+        chunk = min(_COUNT_CHUNK_CHARS, max(4096, 2 * _LONG_TEXT_CHARS_PER_TOKEN * max_model_len))
+        while start < len(text):
+            end = _cut(text, start, start + chunk)
+            piece = backend.encode_batch([text[start:end]], add_special_tokens=False)[0]
+            counted += len(piece)
+            if counted >= max_model_len + _COUNT_SLACK + _CUT_SLACK * cuts:
+                raise ValueError(_too_long(counted - _CUT_SLACK * cuts, max_model_len,
+                                           at_least=True))
+            start, cuts = end, cuts + 1
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _cut(text: str, start: int, end: int) -> int:
+    """Where to end the piece ``text[start:end]``: where its last whitespace run begins, if
+    that leaves at least half the piece; else ``end`` itself (also at the text's end)."""
+    if end >= len(text):
+        return len(text)
+    half = start + (end - start) // 2
+    i = max(text.rfind(" ", half, end), text.rfind("\n", half, end))
+    while i > half and text[i - 1].isspace():
+        i -= 1
+    return i if i > half else end
+
+
 def sibling_seed(seed: int, index: int) -> int:
     """Sibling ``index``'s seed: sibling 0 keeps the request's seed (so ``n=1`` and the first of
     ``n`` agree); the others get distinct streams derived from ``(seed, index)``."""
@@ -313,6 +403,15 @@ def validate_features(params: SamplingParams, args: EngineArgs, vocab_size: int,
     if params.stop and not has_tokenizer:
         raise ValueError("SamplingParams.stop needs a tokenizer (this engine runs on token ids): "
                          "use stop_token_ids")
+    if len(params.stop) > args.max_stop_strings:
+        raise ValueError(f"SamplingParams.stop=<{len(params.stop)} strings> is invalid: at most "
+                         f"EngineArgs.max_stop_strings={args.max_stop_strings} stop strings")
+    longest = max(params.stop, key=len, default="")
+    if len(longest) > args.max_stop_string_length:
+        raise ValueError(f"SamplingParams.stop=<a string of {len(longest)} characters> is "
+                         f"invalid: stop strings may have at most "
+                         f"EngineArgs.max_stop_string_length={args.max_stop_string_length} "
+                         "characters")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and k > args.max_logprobs:

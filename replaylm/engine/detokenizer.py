@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Prompt tokens decoded as context before the first output token (vLLM's choice).
+PROMPT_CONTEXT_TOKENS = 5
+
 
 class IncrementalDetokenizer:
     """Decodes a growing list of ids; ``step`` returns only the newly final text.
@@ -11,15 +14,19 @@ class IncrementalDetokenizer:
     A byte-level BPE token may hold part of a multi-byte character; decoding it alone yields
     U+FFFD. Such text is held back until the character completes. Decoding a short window of
     earlier tokens (``prefix``) keeps tokenizer-specific spacing right without re-decoding the
-    whole output every step.
+    whole output every step. The window starts on the prompt's last tokens, so the output
+    reads as the continuation of the prompt: with a SentencePiece (Metaspace) tokenizer a
+    first token ``"▁the"`` is ``" the"``, as in ``decode(prompt + output)``, not ``"the"``.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens
-        self.ids: list[int] = []
+        context = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
+        self.ids: list[int] = context  # the prompt's context, then the output
         self.prefix = 0  # start of the window decoded for context
-        self.read = 0  # ids up to here have been turned into released text
+        self.read = len(context)  # ids up to here have been turned into released text
         self.text = ""
 
     def step(self, new_ids: list[int]) -> str:

@@ -86,7 +86,7 @@ class LLM:
                 list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            prompts.append(tok.encode(text, add_special_tokens=False))
+            prompts.append(self.engine.tokenize(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
@@ -134,6 +134,7 @@ class LLM:
                     if d.finished:
                         comp.finish_reason = d.finish_reason
                         comp.stop_reason = d.stop_reason
+                        comp.error = d.error
                         if all(c.finish_reason is not None for c in out.outputs):
                             out.finished = True
                             bar.update(1)

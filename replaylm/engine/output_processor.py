@@ -18,7 +18,7 @@ class OutputState:
 
     def __init__(self, req: Request, tokenizer: Any) -> None:
         p = req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, req.prompt_token_ids)
         self.stop = StopStringBuffer(p.stop or [], p.include_stop_str_in_output)
         self.sent_tokens = 0
         self.sent_prompt_logprobs = req.prompt_logprobs_k is None
@@ -60,7 +60,9 @@ def make_delta(req: Request, state: OutputState, scheduler: Scheduler) -> Reques
     text = state.detok.step(new_ids)
     if req.is_finished:
         text += state.detok.flush()
-    released = state.stop.push(text, check=req.num_output_tokens >= params.min_tokens)
+    # Stop strings count once more than min_tokens tokens exist (vLLM's rule; EOS and stop ids
+    # are masked for the first min_tokens tokens, so the two agree).
+    released = state.stop.push(text, check=req.num_output_tokens > params.min_tokens)
     if state.stop.matched is not None:
         if not req.is_finished:
             scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

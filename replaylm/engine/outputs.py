@@ -17,8 +17,9 @@ class RequestDelta:
     - ``new_text``: text that became final this step. Text is held back while it may still be
       part of a stop string or an incomplete UTF-8 character; a matched stop string is never
       included (unless ``include_stop_str_in_output``).
-    - ``finished`` / ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``) / ``stop_reason``
-      (the stop string or stop token id that ended it; ``None`` for EOS or other reasons). A
+    - ``finished`` / ``finish_reason`` (``"stop"``, ``"length"``, ``"abort"``, ``"error"``) /
+      ``stop_reason`` (the stop string or stop token id that ended it; ``None`` for EOS or
+      other reasons) / ``error`` (with ``"error"``: what failed for this request alone). A
       finished request's blocks are freed when the delta is returned, or, with overlap
       scheduling, when the step already launched for it resolves (the next ``step()``).
     - ``logprobs``: with ``SamplingParams.logprobs``, one ``TokenLogprobs`` per new token
@@ -39,6 +40,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     index: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -49,6 +51,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 @dataclass

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS or a stop token
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # something about this request failed; the others ran on
 
     finished: bool
     finish_reason: str | None
@@ -92,6 +93,7 @@ class Request:
         # Prefix caching: hashes of the request's full blocks registered so far (chain order).
         self.block_hashes: list[tuple[int, int]] = []  # (chain hash, cache entry serial)
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ class EngineStats:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # finished with "error": a failure of that request alone
     requests_rejected: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

@@ -31,6 +31,8 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    o_bias: bool = False  # o_proj bias (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama mlp_bias)
 
     @staticmethod
     def from_hf(hf: Any, name: str) -> ModelConfig:
@@ -48,6 +50,7 @@ class ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         eos = getattr(hf, "eos_token_id", None)
+        attention_bias = bool(getattr(hf, "attention_bias", False))
         return ModelConfig(
             name=name,
             architecture=arch,
@@ -63,10 +66,14 @@ class ModelConfig:
             rope_scaling=dict(scaling) if scaling else None,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_as_tuple(eos),
+            # As transformers builds them: Qwen2's o_proj and MLP never have biases, Qwen3's
+            # MLP neither; Llama's attention_bias covers o_proj too.
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
         )
 
     @property
@@ -81,7 +88,9 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) * self.qkv_bias
-        per_layer = qkv + self.q_size * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm
+        biases = h * self.o_bias + (2 * i + h) * self.mlp_bias
+        per_layer = qkv + self.q_size * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm \
+            + biases
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
     def weight_bytes(self, dtype: torch.dtype) -> int:

@@ -47,10 +47,10 @@ class DecoderLayer(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
 
     def before(
@@ -81,12 +81,18 @@ class DecoderLayer(nn.Module):
         return q, residual
 
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred)."""
+        """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred).
+        Biases (``attention_bias`` / ``mlp_bias`` checkpoints) go through the projections;
+        a biased down_proj runs SiLU·mul and the projection apart (``silu_linear`` has none)."""
         k = self.kernels or ref
-        hidden = k.linear(attn_out.flatten(1), self.o_proj.weight)
+        hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias)
         gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
-                                          self.cfg.rms_norm_eps, self.gate_up_proj.weight)
-        return k.silu_linear(gate_up, self.down_proj.weight), residual
+                                          self.cfg.rms_norm_eps, self.gate_up_proj.weight,
+                                          self.gate_up_proj.bias)
+        down = self.down_proj
+        if down.bias is None:
+            return k.silu_linear(gate_up, down.weight), residual
+        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias), residual
 
 
 class CausalLM(nn.Module):

@@ -104,8 +104,9 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         if pname == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
         if pname not in params:
-            log.warning("ignoring checkpoint tensor %s (no matching parameter)", name)
-            continue
+            # Dropping it would run a different network than the checkpoint's.
+            raise ValueError(f"checkpoint tensor {name} has no place in this model "
+                             f"({cfg.architecture}): refusing to load without it")
         dst = params[pname].data
         if shard is not None:
             sizes = shard_sizes(cfg, _packed(pname))

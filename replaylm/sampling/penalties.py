@@ -81,7 +81,8 @@ class LogitsProcessorState:
         self.repetition, self.log_min_p = cols["repetition"], cols["log_min_p"]
         self.min_tokens = cols["min_tokens"]
         self.bias = SparseTable(max_num_seqs, self.device)
-        self.stop_ids = SparseTable(max_num_seqs, self.device)  # values unused (mask ids)
+        # min_tokens: the ids to mask (EOS and stop_token_ids), value 1.0 for a listed id.
+        self.stop_ids = SparseTable(max_num_seqs, self.device)
         # Allocated on first use (see the module docstring).
         self.output_counts: torch.Tensor | None = None  # [S, V] int32
         self.prompt_mask: torch.Tensor | None = None  # [S, V] bool
@@ -117,7 +118,7 @@ class LogitsProcessorState:
         stops = [] if not self._min_tokens[slot] else sorted(
             {t for t in (*eos_token_ids, *params.stop_token_ids) if t < self.vocab_size})
         if stops or self._stops_dirty[slot]:
-            self.stop_ids.set(slot, [(t, 0.0) for t in stops])
+            self.stop_ids.set(slot, [(t, 1.0) for t in stops])
             self._stops_dirty[slot] = bool(stops)
         if params.uses_penalties and self.output_counts is None:
             shape = (self.max_num_seqs, self.vocab_size)
@@ -160,10 +161,11 @@ class LogitsProcessorState:
         """
         x = logits.float().clone()
         if any(self._min_tokens[s] for s in slots_cpu):
+            # Only listed ids are masked: padding entries (id 0, value 0) add 0.0.
             ids = self.stop_ids.ids.index_select(0, slots)
+            listed = self.stop_ids.values.index_select(0, slots) > 0.0
             under = (out_pos < self.min_tokens.index_select(0, slots))[:, None]
-            x.scatter_add_(1, ids, torch.where(under, -math.inf, 0.0).expand(ids.shape)
-                           .contiguous())
+            x.scatter_add_(1, ids, torch.where(under & listed, -math.inf, 0.0))
         if any(self._bias[s] for s in slots_cpu):
             x.scatter_add_(1, self.bias.ids.index_select(0, slots),
                            self.bias.values.index_select(0, slots))

@@ -131,9 +131,13 @@ class SamplingState:
     graphs that captured their addresses stay valid.
     """
 
-    def __init__(self, max_num_seqs: int, device: torch.device | str) -> None:
+    def __init__(self, max_num_seqs: int, device: torch.device | str,
+                 vocab_size: int | None = None) -> None:
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
+        # A top-k at least this large keeps every token: stored as 0 (off), as in
+        # transformers and vLLM, so it costs no filtering (and fits the int64 column).
+        self.top_k_off_from = vocab_size if vocab_size is not None else 2**63
         # Slots start greedy and unfiltered: a padded row pointing at an unused slot is cheap
         # and harmless. seed_key: the seed's 32-bit key, precomputed on the host so each step
         # skips two mixer rounds.
@@ -152,14 +156,16 @@ class SamplingState:
 
     def set(self, slot: int, params: SamplingParams, seed: int) -> None:
         """Write one slot's settings (runs on admission, outside any graph); they reach the
-        device at the next ``flush``."""
-        top_k = params.top_k if params.top_k > 0 else 0
+        device at the next ``flush``. Greedy requests (``params.greedy``: temperatures below
+        ``GREEDY_BELOW`` too) are stored with temperature 0."""
+        top_k = params.top_k if 0 < params.top_k < self.top_k_off_from else 0
+        temperature = 0.0 if params.greedy else params.temperature
         # Wrap into int64's range: SamplingParams allows [0, 2**63), a runner may pass more.
         seed64 = seed & ((1 << 64) - 1)
         seed_i64 = seed64 - (1 << 64) if seed64 >= 1 << 63 else seed64
-        self.slots.set(slot, temperature=params.temperature, top_k=top_k, top_p=params.top_p,
+        self.slots.set(slot, temperature=temperature, top_k=top_k, top_p=params.top_p,
                        seed=seed_i64, seed_key=seed_key(seed64))
-        self._temperature_host[slot] = params.temperature
+        self._temperature_host[slot] = temperature
         self._top_k_host[slot] = top_k
         self._top_p_host[slot] = params.top_p
 

@@ -16,6 +16,11 @@ import torch
 from replaylm.sampling.logprobs import DeviceLogprobs, TokenLogprobs, device_logprobs
 from replaylm.sampling.penalties import LogitsProcessorState
 from replaylm.sampling.sampler import SamplingState, sample
+from replaylm.sampling_params import SamplingParams
+
+#: What a slot holds when its request's settings could not be written: greedy, no
+#: processing. The step runs the row harmlessly; its sample is dropped.
+_NEUTRAL = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 @dataclass
@@ -74,7 +79,7 @@ class StepSampler:
 
     def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
-        self.state = SamplingState(max_num_seqs, device)
+        self.state = SamplingState(max_num_seqs, device, vocab_size)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
         self._logprobs_k: list[int | None] = [None] * max_num_seqs
         # Two pinned buffers and events, alternating: allocating pinned memory every step costs
@@ -85,15 +90,33 @@ class StepSampler:
                         for _ in range(2)] if cuda else []
         self._ready = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self._flip = 0
+        # Requests whose settings could not be written: (request, error), taken by the engine.
+        self.failed: list[tuple[Any, Exception]] = []
 
     def admit(self, req: Any) -> None:
         """Write a newly slotted request's settings into its slot (outside any graph); the
-        per-slot scalars reach the device at ``flush``."""
+        per-slot scalars reach the device at ``flush``.
+
+        A failure belongs to this request alone: its slot gets neutral settings, so the step
+        runs on for everyone, and the request is listed in ``failed`` for the engine to finish
+        with an error. Only a failure to write the neutral settings propagates.
+        """
         p = req.sampling_params
-        self.state.set(req.slot, p, req.seed)
-        self.procs.set(req.slot, p, req.prompt_token_ids, req.output_token_ids,
-                       () if p.ignore_eos else req.eos_token_ids)
-        self._logprobs_k[req.slot] = p.logprobs
+        try:
+            self.state.set(req.slot, p, req.seed)
+            self.procs.set(req.slot, p, req.prompt_token_ids, req.output_token_ids,
+                           () if p.ignore_eos else req.eos_token_ids)
+            self._logprobs_k[req.slot] = p.logprobs
+        except Exception as e:  # any failure here is this request's
+            self.state.set(req.slot, _NEUTRAL, 0)
+            self.procs.set(req.slot, _NEUTRAL, [], [], ())
+            self._logprobs_k[req.slot] = None
+            self.failed.append((req, e))
+
+    def take_failed(self) -> list[tuple[Any, Exception]]:
+        """The requests whose admission failed since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def flush(self) -> None:
         """Send the settings of the requests admitted since the last flush to the device, one

@@ -1,30 +1,37 @@
 """The FastAPI application: OpenAI endpoints over one ``EngineLoop``.
 
-Request handling order matters for robustness: parse and validate the body (400), check the
-model (400), take admission slots (503 + Retry-After), and only then touch the engine. Every
-failure path answers OpenAI's error JSON; nothing a client sends can stop the server.
+Request handling order matters for robustness: read the body within the size limit (413; a
+client gone mid-upload is logged once at info and counted as 499), parse and validate it (400), check the
+model (404 ``model_not_found``), refuse what could never be admitted (400), take admission
+slots (503 + Retry-After), and only then touch the engine. Every failure path answers OpenAI's
+error JSON (unknown routes and methods too); nothing a client sends can stop the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import RequestDelta
+from replaylm.server.connections import TIMED_OUT
 from replaylm.server.engine_loop import EngineLoop, NotAccepting
 from replaylm.server.generation import Generation, GenerationStream
 from replaylm.server.metrics import CONTENT_TYPE, ServerMetrics
+from replaylm.server.prompts import PromptWorkers
 from replaylm.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -40,7 +47,16 @@ from replaylm.server.responses import LogprobFormatter, Shapes
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # a queue slot frees as soon as any in-flight request ends
+CLIENT_GONE = 499  # the metrics label of requests whose client left before sending all of it
+#: A body over the size limit but under this many times it is read to its end (and dropped)
+#: before the 413, so the client, still sending, reads the answer instead of a reset
+#: connection; a larger one is answered at once and the connection closed.
+DRAIN_FACTOR = 4
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body was in."""
 
 
 def logprobs_supported() -> bool:
@@ -49,31 +65,15 @@ def logprobs_supported() -> bool:
     return engine_supports("logprobs") and "logprobs" in delta_fields
 
 
-def chat_prompt_ids(core: EngineCore, messages: list[dict[str, str]]) -> list[int]:
-    """The tokenizer's chat template applied to ``messages`` (runs on the engine thread)."""
-    tok = core.tokenizer
-    if tok is None:
-        raise APIError("this engine has no tokenizer, so it cannot apply a chat template",
-                       param="messages")
-    if not getattr(tok, "chat_template", None):
-        raise APIError("this model's tokenizer has no chat template: use /v1/completions",
-                       param="messages")
-    try:
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # jinja raises its own types for templates that refuse a message
-        raise APIError(f"messages rejected by the chat template: {e}", param="messages") from e
-    if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-def build_app(core: EngineCore, max_queue: int = 1024,
-              served_model_name: str | None = None) -> FastAPI:
-    """An app serving ``core``; its engine loop starts and stops with the app's lifespan."""
+def build_app(core: EngineCore, max_queue: int = 1024, served_model_name: str | None = None,
+              max_request_bytes: int = 8 * 2**20) -> FastAPI:
+    """An app serving ``core``; its engine loop starts and stops with the app's lifespan.
+    Request bodies above ``max_request_bytes`` are answered 413."""
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
     metrics = ServerMetrics(core.stats, lambda: engine.in_flight)
     engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
+    workers = PromptWorkers(core)
     with_logprobs = logprobs_supported()
 
     @asynccontextmanager
@@ -82,12 +82,14 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         try:
             yield
         finally:
+            workers.shutdown()
             engine.shutdown()
 
     app = FastAPI(title="replaylm", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_name = served
+    app.state.max_request_bytes = max_request_bytes
     # Whether the engine runs n > 1 siblings itself; if not, the server fans choices out.
     app.state.native_n = native_n_supported()
 
@@ -95,6 +97,24 @@ def build_app(core: EngineCore, max_queue: int = 1024,
     async def api_error(_: HTTPRequest, e: APIError) -> JSONResponse:
         metrics.http_error(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, e: HTTPException) -> JSONResponse:
+        """Routing errors (404, 405) in OpenAI's shape rather than ``{"detail": ...}``."""
+        metrics.http_error(e.status_code)
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})",
+                   405: f"Method not allowed ({where})"}.get(e.status_code, str(e.detail))
+        err = APIError(message, status=e.status_code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: HTTPRequest, _: ClientGone) -> Response:
+        if not request.scope.get(TIMED_OUT):  # a timeout was logged and counted as 408
+            log.info("client %s closed the connection while sending its request",
+                     request.client.host if request.client else "?")
+            metrics.http_error(CLIENT_GONE)
+        return Response(status_code=CLIENT_GONE)  # nobody reads it
 
     @app.exception_handler(Exception)
     async def unexpected(_: HTTPRequest, e: Exception) -> JSONResponse:
@@ -104,15 +124,41 @@ def build_app(core: EngineCore, max_queue: int = 1024,
                        type_="server_error")
         return JSONResponse(err.body(), status_code=500)
 
+    async def read_body(request: HTTPRequest) -> bytes:
+        limit = app.state.max_request_bytes
+        too_large = APIError(f"request body exceeds the server's limit of {limit} bytes",
+                             status=413, code="request_too_large",
+                             headers={"Connection": "close"})
+        declared = request.headers.get("content-length", "")
+        over = declared.isdigit() and int(declared) > limit
+        if over and int(declared) > DRAIN_FACTOR * limit:
+            raise too_large  # refused before reading any of it
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if over or size > limit:  # over the limit: read on, keep nothing
+                    over = True
+                    chunks.clear()
+                    if size > DRAIN_FACTOR * limit:
+                        break
+                    continue
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        if over:
+            raise too_large
+        return b"".join(chunks)
+
     async def parse(request: HTTPRequest, model: type[Body]) -> Body:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             body = model.model_validate_json(raw)
         except ValidationError as e:
             raise from_validation_error(e) from None
         if body.model is not None and body.model not in aliases:
-            raise APIError(f"model {body.model!r} does not exist: this server serves {served!r}",
-                           param="model", code="model_not_found")
+            raise APIError(f"The model {body.model!r} does not exist: this server serves "
+                           f"{served!r}", param="model", status=404, code="model_not_found")
         return body
 
     async def generate(request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest,
@@ -124,11 +170,19 @@ def build_app(core: EngineCore, max_queue: int = 1024,
                 params = [sampling_params(body, 0, with_logprobs, n=body.n)]
             else:
                 params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
+            await workers.check(params)
         except ValueError as e:
             raise from_value_error(e, param) from e
         k = body.n * (1 if prompts is None else len(prompts))
+        if k > engine.max_queue:  # could never be admitted: the client must split it
+            field = "n" if body.n > engine.max_queue else param
+            raise APIError(f"this request needs {k} engine requests (n={body.n} per prompt) but "
+                           f"the server holds at most {engine.max_queue} at once: lower {field}",
+                           param=field)
         if not engine.admit(k):
-            why = "shutting down" if not engine.accepting else f"queue full ({engine.max_queue})"
+            why = ("the engine failed" if engine.fault is not None
+                   else "shutting down" if not engine.accepting
+                   else f"queue full ({engine.max_queue})")
             raise APIError(f"server busy: {why}; retry later", status=503, type_="server_error",
                            code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
         top_k = params[0].logprobs if with_logprobs and params[0].logprobs is not None else None
@@ -137,10 +191,14 @@ def build_app(core: EngineCore, max_queue: int = 1024,
         shapes = Shapes(response_id, int(time.time()), served, chat)
         gen = Generation(engine, shapes, k, body.include_usage, lp, param)
         try:
-            if chat:
-                messages = [m.as_template_dict() for m in body.messages]
-                prompts = [await engine.call(lambda c: chat_prompt_ids(c, messages))]
-            await gen.start(prompts, params, body.n)
+            try:  # on the prompt workers: a long prompt never stalls the engine thread
+                if chat:
+                    ids = [await workers.chat_ids([m.as_template_dict() for m in body.messages])]
+                else:
+                    ids = list(await asyncio.gather(*(workers.prompt_ids(p) for p in prompts)))
+            except ValueError as e:
+                raise from_value_error(e, param) from e
+            await gen.start(ids, params, body.n)
         except NotAccepting:
             gen.close()
             raise APIError("server is shutting down", status=503, type_="server_error",

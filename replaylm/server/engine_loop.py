@@ -5,6 +5,11 @@ any other engine call are queued as commands and run here between steps (FIFO, s
 queued after an add always finds its request). Deltas go back to each request's
 ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. With nothing to run, the thread sleeps
 on a condition variable; it wakes for a command or for shutdown, never polls.
+
+A request that fails alone (``finish_reason="error"``) is just another finished request. If
+``step()`` itself raises, the engine is at fault: every in-flight request fails, the loop
+stops stepping, and ``alive`` turns False for good (``/health`` answers 503, so an
+orchestrator restarts the process).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ class NotAccepting(RuntimeError):
     """The loop is shutting down (or stopped) and takes no new work."""
 
 
+class ShuttingDown(EngineFailure):
+    """Put on a request's queue when shutdown cancels it (past ``--shutdown-timeout``)."""
+
+
 @dataclass
 class _Stream:
     """Where one engine request's deltas go; with native ``n > 1`` its siblings share it."""
@@ -73,6 +82,8 @@ class EngineLoop:
         self.metrics = metrics
         self.accepting = True
         self.in_flight = 0  # event-loop thread only
+        self.fault: str | None = None  # set once step() raised: the engine is unusable
+        self._cancelled: str | None = None  # set by cancel_all: adds are refused from then on
         self._cond = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._stopping = False
@@ -86,7 +97,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.fault is None
 
     def admit(self, k: int) -> bool:
         """Reserve ``k`` engine requests; False when full or shutting down."""
@@ -108,6 +119,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
 
         def add(core: EngineCore) -> int:
+            if self._cancelled is not None:
+                raise NotAccepting(self._cancelled)
             req = core.add_request(request_id, prompt, params)
             self._streams[request_id] = _Stream(loop, queue, choice, time.monotonic(),
                                                 unfinished=set(range(params.n)))
@@ -136,6 +149,25 @@ class EngineLoop:
             self._submit(lambda: self._abort(request_id))
         except NotAccepting:
             pass  # the loop aborts everything itself when it stops
+
+    def cancel_all(self, reason: str) -> None:
+        """End every in-flight request now (shutdown past its timeout): each reader gets
+        ``ShuttingDown(reason)``, and requests still on their way in are refused. Thread-safe."""
+        def cancel() -> None:
+            self._cancelled = reason
+            now = time.monotonic()
+            for rid, s in list(self._streams.items()):
+                self.core.abort(rid)
+                if self.metrics is not None:
+                    for _ in s.unfinished:
+                        self.metrics.finished("abort", now - s.arrival)
+                s.put((s.choice, ShuttingDown(reason)))
+            self._streams.clear()
+
+        try:
+            self._submit(cancel)
+        except NotAccepting:
+            pass  # the loop has stopped: it aborted everything itself
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread: queued commands run, then every unfinished request is aborted."""
@@ -172,13 +204,15 @@ class EngineLoop:
                 for rid in list(self._streams):
                     self._abort(rid)
                 return
-            if self.core.has_unfinished():
+            if self.fault is None and self.core.has_unfinished():
                 try:
                     self._dispatch(self.core.step())
-                except Exception as e:  # a bug must fail its requests, not hang the server
-                    log.exception("engine step failed; failing every in-flight request")
+                except Exception as e:  # an engine fault: fail everything, never hang
+                    log.exception("engine step failed: failing every in-flight request; the "
+                                  "server reports unhealthy from now on")
+                    self.fault = f"{type(e).__name__}: {e}"
                     self._fail_all(e)
-            busy = self.core.has_unfinished()
+            busy = self.fault is None and self.core.has_unfinished()
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         now = time.monotonic()

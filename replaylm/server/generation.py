@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from replaylm.engine.outputs import RequestDelta
 from replaylm.sampling_params import SamplingParams
-from replaylm.server.engine_loop import EngineFailure, EngineLoop
+from replaylm.server.engine_loop import EngineFailure, EngineLoop, ShuttingDown
 from replaylm.server.protocol import APIError, from_value_error
 from replaylm.server.responses import (
     ChoiceState,
@@ -84,8 +84,14 @@ class Generation:
         """Each delta with its choice index and formatted logprobs, until all choices end."""
         while self._open:
             choice, d = await self.queue.get()
+            if isinstance(d, ShuttingDown):
+                raise APIError(str(d), status=503, type_="server_error",
+                               code="server_shutting_down")
             if isinstance(d, EngineFailure):
                 raise APIError(str(d), status=500, type_="server_error")
+            if d.finish_reason == "error":  # this request failed alone; the others go on
+                raise APIError(f"request failed: {getattr(d, 'error', None) or 'unknown error'}",
+                               status=500, type_="server_error")
             choice += getattr(d, "index", 0)
             if d.finished and d.request_id in self._open:
                 self._open[d.request_id] -= 1

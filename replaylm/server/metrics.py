@@ -36,6 +36,8 @@ class _EngineStatsCollector(Collector):
             "requests_added": ("requests accepted by the engine", s.requests_added),
             "requests_rejected": ("requests the engine refused as invalid", s.requests_rejected),
             "requests_aborted": ("requests aborted (disconnects, shutdown)", s.requests_aborted),
+            "requests_failed": ("requests that failed alone (finish reason error)",
+                                s.requests_failed),
             "prompt_tokens": ("prompt tokens of accepted requests", s.prompt_tokens),
             "generation_tokens": ("tokens generated", s.generated_tokens),
             "preemptions": ("requests preempted for lack of KV blocks", s.preemptions),
@@ -108,7 +110,7 @@ class ServerMetrics:
         self._e2e = Histogram("replaylm_e2e_request_latency_seconds",
                               "time from arrival to the last token", buckets=_E2E_BUCKETS,
                               registry=self.registry)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._finished.labels(reason)  # present at 0, so rates work from the first scrape
 
     def first_token(self, seconds: float) -> None:

@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI API (pydantic), their errors, and the mapping to ``SamplingParams``.
 
-Bodies are parsed strictly (a string where a number belongs is an error, as with OpenAI) and
-every failure becomes an :class:`APIError` that names the offending field in ``param``. Range
-checks live in ``SamplingParams`` alone, whose ``ValueError`` messages name the field too, so
-the server and ``LLM`` accept exactly the same values.
+Bodies are parsed strictly (a string where a number belongs is an error, as with OpenAI; so
+is a number that is not finite, such as ``1e999`` or ``Infinity``) and every failure becomes
+an :class:`APIError` that names the offending field in ``param``. Range checks live in
+``SamplingParams`` alone, whose ``ValueError`` messages name the field too, so the server and
+``LLM`` accept exactly the same values; a field the client sent under another name
+(``max_completion_tokens``) is named as sent.
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ def engine_supports(name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(SamplingParams)}
 
 
+#: Strict types, unknown fields ignored, non-finite numbers refused.
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
@@ -85,7 +91,7 @@ class _SamplingBody(BaseModel):
     ``min_tokens``, ``repetition_penalty``, ``skip_special_tokens`` and
     ``include_stop_str_in_output`` are vLLM-style extensions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -142,13 +148,13 @@ class CompletionRequest(_SamplingBody):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -195,8 +201,14 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kw[name] = getattr(body, name)
+    max_tokens_field = "max_tokens"
     if isinstance(body, ChatCompletionRequest):
-        kw["max_tokens"] = body.max_completion_tokens or body.max_tokens
+        kw["max_tokens"] = body.max_tokens
+        if body.max_completion_tokens is not None:  # OpenAI's name; 0 is a value, not "unset"
+            if body.max_tokens is not None:
+                SamplingParams(max_tokens=body.max_tokens)  # both are checked, each by its name
+            kw["max_tokens"] = body.max_completion_tokens
+            max_tokens_field = "max_completion_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         kw["max_tokens"] = body.max_tokens
@@ -220,7 +232,14 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
         if not engine_supports(name) or (name == "logprobs" and not logprob_support):
             raise APIError(f"{name} is not supported by this engine build yet", param=name)
         kw[name] = value
-    return SamplingParams(**kw)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        prefix = "SamplingParams.max_tokens="
+        if max_tokens_field != "max_tokens" and str(e).startswith(prefix):
+            raise APIError(f"{max_tokens_field}={str(e)[len(prefix):]}",
+                           param=max_tokens_field) from e
+        raise
 
 
 def _sibling_seed(seed: int, i: int) -> int:

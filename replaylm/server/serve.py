@@ -29,7 +29,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="model id clients use (default: the --model value)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds SIGTERM waits for in-flight requests before cancelling "
-                     "them (default: 30)")
+                     "them; each cancelled one still gets a final answer, a 503 error JSON or, "
+                     "streaming, an error event and [DONE] (default: 30)")
+    srv.add_argument("--request-timeout", type=float, default=30.0,
+                     help="seconds a client has to send a request's headers and body; past "
+                     "it the server answers 408 and closes the connection (default: 30)")
+    srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                     help="largest request body accepted; beyond it the server answers 413 "
+                     "(default: 8388608, 8 MiB)")
     srv.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"],
                      help="server log level (default: info)")
@@ -40,7 +47,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the server extra)
 
         from replaylm.server.app import build_app
         from replaylm.server.graceful import GracefulServer
@@ -50,20 +57,49 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 1
     from replaylm.engine.core import EngineCore
 
-    if ns.max_queue < 1:
-        print(f"--max-queue={ns.max_queue} is invalid: must be >= 1", file=sys.stderr)
+    for flag, value in (("--max-queue", ns.max_queue), ("--max-request-bytes",
+                                                         ns.max_request_bytes)):
+        if value < 1:
+            print(f"{flag}={value} is invalid: must be >= 1", file=sys.stderr)
+            return 2
+    if not ns.request_timeout > 0 or not ns.shutdown_timeout >= 0:
+        print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
+              f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     core = EngineCore(EngineArgs.from_cli_args(ns))
-    app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                            timeout_graceful_shutdown=ns.shutdown_timeout, access_log=False)
-    server = GracefulServer(config, on_exit=lambda: _stop_accepting(app))
+    app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
+                    max_request_bytes=ns.max_request_bytes)
+    config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
+                            ns.shutdown_timeout)
+    reason = (f"server shutting down: the request was cancelled after --shutdown-timeout "
+              f"({ns.shutdown_timeout:g} s)")
+    server = GracefulServer(config, on_exit=lambda: _stop_accepting(app),
+                            on_deadline=lambda: app.state.engine.cancel_all(reason),
+                            deadline_s=ns.shutdown_timeout)
     server.run()
     if not server.started:
         return 1  # e.g. the port is taken: uvicorn has logged why
     log.info("replaylm serve stopped cleanly")
     return 0
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "info",
+                   request_timeout: float = 30.0, shutdown_timeout: float = 30.0) -> Any:
+    """uvicorn's settings for ``app``: the h11 protocol with a receive deadline
+    (``connections.TimedH11Protocol``), no access log, and a drain that outlasts
+    ``shutdown_timeout`` by ``graceful.SHUTDOWN_GRACE_S`` (the app cancels its requests at
+    ``shutdown_timeout`` itself, ``GracefulServer``)."""
+    import uvicorn
+
+    from replaylm.server.connections import timed_h11_protocol
+    from replaylm.server.graceful import SHUTDOWN_GRACE_S
+
+    metrics = app.state.metrics
+    protocol = timed_h11_protocol(request_timeout, on_timeout=lambda: metrics.http_error(408))
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,
+                          access_log=False)
 
 
 def _stop_accepting(app: Any) -> None:

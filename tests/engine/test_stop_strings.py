@@ -27,11 +27,12 @@ def test_buffer_releases_a_false_start_and_flushes() -> None:
 
 def test_buffer_earliest_match_include_and_min_tokens() -> None:
     buf = StopStringBuffer(["cd", "bcde"], include_stop=True)
-    assert buf.push("abcdef") == "abcde"  # "bcde" starts first
-    assert buf.matched == "bcde"
+    assert buf.push("abcdef") == "abcd"  # "cd" completes first
+    assert buf.matched == "cd"
     unchecked = StopStringBuffer(["ab"])
-    assert unchecked.push("xab", check=False) == "xab"  # before min_tokens: not a stop yet
-    assert unchecked.push("ab") == ""  # now it counts
+    assert unchecked.push("xab", check=False) == "x"  # before min_tokens: not a stop yet,
+    assert unchecked.matched is None  # but held back, since it may begin a later one
+    assert unchecked.push("ab") == "ab"  # now it counts: the held "ab" is released
     assert unchecked.matched == "ab" and unchecked.text == "xab"
 
 

@@ -78,6 +78,7 @@ def test_overlap_matches_synchronous_gpu(tiny_checkpoint, mode):
     assert over == sync
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "ragged"])
 def test_poison_padding_with_fused_kernels_bf16(tiny_checkpoint, mode):
     """Padded tokens carry NaN activations through the fused Triton kernels (bf16): no real
@@ -90,6 +91,7 @@ def test_poison_padding_with_fused_kernels_bf16(tiny_checkpoint, mode):
     assert stats["checks"] > 0 and stats["padded_tokens"] > stats["real_tokens"], stats
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise", "ragged"])
 def test_launching_a_step_never_syncs(tiny_checkpoint, mode):
     """The host side of a step (packing, buffer loads, dispatch, the replay or the eager

@@ -166,6 +166,7 @@ def test_cuda_graph_replay():
         check(st_out.clone(), q, kc, vc, m)
 
 
+@pytest.mark.smoke
 def test_write_kv_strided():
     t, hq, hkv, d = 37, 32, 8, 128
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16)
@@ -179,6 +180,7 @@ def test_write_kv_strided():
     assert torch.equal(caches[0][1:], caches[2][1:]) and torch.equal(caches[1][1:], caches[3][1:])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernels(dtype):
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -289,6 +291,7 @@ def test_fused_prologue_linear_gpu(m, n, k):
     assert ("silu", m, n, k, x.dtype, False) in tuner.LINEAR_CHOICES
 
 
+@pytest.mark.smoke
 def test_argmax_rows_gpu():
     """The one-launch argmax equals torch.argmax on the device: first index on ties, NaN
     wins; repeated launches reuse the arrival counters."""

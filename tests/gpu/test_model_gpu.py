@@ -17,6 +17,7 @@ pytestmark = [
 DEV = torch.device("cuda")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @torch.no_grad()
 def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
@@ -64,6 +65,7 @@ def test_engine_backends_agree_on_gpu(tiny_checkpoint):
     assert same >= 3, outs  # fp32 on the GPU: at most a rare near-tie may flip
 
 
+@pytest.mark.smoke
 def test_rope_in_attention_graphs_on_gpu(tiny_checkpoint):
     """Graphed batch-1 decode with q/k norm, rotary and the KV write inside attention gives
     the same greedy tokens as with the separate rotary kernel (same rounding throughout)."""

@@ -166,7 +166,6 @@ BAD = [
     ("completions", {"prompt": "hi", "seed": -1}, "seed"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
-    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [10**9]}, "prompt"),

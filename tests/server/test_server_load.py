@@ -35,7 +35,6 @@ def _invalid(rng: random.Random) -> tuple[dict, str]:
         ({"prompt": "x", "top_p": 2.0, "stream": True}, "top_p"),
         ({"prompt": "", "stream": True}, "prompt"),
         ({"prompt": [5] * 4000, "stream": True}, "prompt"),
-        ({"prompt": "x", "model": "nope", "stream": True}, "model"),
         ({"prompt": "x", "n": "two", "stream": True}, "n"),
     ])
 
@@ -125,25 +124,3 @@ def test_non_streaming_disconnect_aborts(live_server):
                    json={"prompt": "a long answer", "max_tokens": 2000, "ignore_eos": True})
     live_server.wait_idle()
     assert live_server.core.stats.requests_aborted == aborted + 1
-
-
-def test_engine_failure_fails_requests_not_the_server(live_server):
-    core = live_server.core
-    real_step = core.step
-
-    def broken_step():
-        core.step = real_step  # fail once, then behave
-        raise RuntimeError("injected failure")
-
-    core.step = broken_step
-    try:
-        r = httpx.post(live_server.url + "/v1/completions", timeout=30,
-                       json={"prompt": "doomed", "max_tokens": 4})
-    finally:
-        core.step = real_step
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    assert "injected failure" in r.json()["error"]["message"]
-    live_server.wait_idle()
-    r = httpx.post(live_server.url + "/v1/completions", timeout=30,
-                   json={"prompt": "fine", "max_tokens": 4})
-    assert r.status_code == 200
