@@ -133,6 +133,15 @@ class GraphPolicy:
         return "piecewise" if self.mode in PIECEWISE_MODES else "ragged"
 
     @property
+    def uses_whole(self) -> bool:
+        """Whether whole-model graphs are captured (``full`` or ``ragged`` tiers)."""
+        return self.uses_full or self.token_runner == "ragged"
+
+    @property
+    def uses_piecewise(self) -> bool:
+        return self.token_runner == "piecewise"
+
+    @property
     def top_tier(self) -> int:
         return max(self.decode_tiers + self.token_tiers, default=0)
 

@@ -89,10 +89,10 @@ class GraphRuntime:
         self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_num_seqs,
                                      max_blocks, device, max_model_len)
         self.last_token = self.buffers.last_token
-        whole = policy.uses_full or policy.token_runner == "ragged"
-        self.whole = WholeModelGraphs(model, self.buffers, max_num_seqs, top) if whole else None
+        self.whole = (WholeModelGraphs(model, self.buffers, max_num_seqs, top)
+                      if policy.uses_whole else None)
         self.piecewise = (PiecewiseGraphs(model, self.buffers, top, host_attn_lengths)
-                          if policy.token_runner == "piecewise" else None)
+                          if policy.uses_piecewise else None)
 
     @staticmethod
     def estimate_static_bytes(policy: GraphPolicy, *, vocab_size: int, q_size: int,
@@ -100,9 +100,9 @@ class GraphRuntime:
         """Static memory the runners will add for ``policy`` (reserved before the KV pool is
         sized, with the graphs' activation pool)."""
         top, total = policy.top_tier, 0
-        if policy.uses_full or policy.token_runner == "ragged":
+        if policy.uses_whole:
             total += WholeModelGraphs.static_bytes(vocab_size, top, max_num_seqs)
-        if policy.token_runner == "piecewise":
+        if policy.uses_piecewise:
             total += PiecewiseGraphs.static_bytes(q_size, top, dtype)
         return total
 
