@@ -1,4 +1,4 @@
-"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode``.
+"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode|serve|startup``.
 
 Engine flags come from :meth:`EngineArgs.add_cli_args`, so every command spells them as
 ``LLM(...)`` does. The engine is imported only when a command runs, so ``--help`` stays fast.
@@ -129,6 +129,12 @@ def cmd_bench_decode(ns: argparse.Namespace, argv: list[str] | None) -> int:
     return run_cli(ns, argv)
 
 
+def cmd_bench_serve(ns: argparse.Namespace, argv: list[str] | None) -> int:
+    from replaylm.bench.serve import run_cli
+
+    return run_cli(ns, argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand stores its handler in ``func``."""
     parser = argparse.ArgumentParser(
@@ -170,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decode tok/s per graph mode, with the batch-1 bandwidth floor.")
     add_decode_args(decode)
     decode.set_defaults(func=cmd_bench_decode)
+    from replaylm.bench.serve import add_cli_args as add_serve_bench_args
+
+    serve_bench = bench_sub.add_parser(
+        "serve", help="replay a request trace: TTFT, TPOT, ITL, end-to-end latency, goodput",
+        description="Replay requests (Poisson arrivals at one or more rates, or a JSONL trace) "
+        "against engines in this process or a running server (--base-url); report latency "
+        "percentiles, throughput and goodput under an SLO.")
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
     bench.set_defaults(func=lambda ns, argv: _missing(bench))
     return parser
 
