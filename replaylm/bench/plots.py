@@ -166,30 +166,31 @@ def serving_throughput(runs: Sequence[dict[str, Any]], path: str | Path, title: 
     return _save(fig, path)
 
 
-STARTUP_PHASES = (("load_s", "weights"), ("tune_s", "kernel tuning"),
-                  ("kv_sizing_s", "KV sizing"), ("capture_s", "capture"), ("other_s", "other"))
-STARTUP_MEMORY = (("weights_mib", "weights"), ("kv_mib", "KV cache"), ("graph_mib", "graphs"))
+STARTUP_PHASES = (("load_s", "weights", "#9467bd"), ("tune_s", "kernel tuning", "#8c564b"),
+                  ("kv_sizing_s", "KV sizing", "#e377c2"), ("capture_s", "capture", "#17becf"),
+                  ("other_s", "other", "#bcbd22"))
+STARTUP_MEMORY = (("weights_mib", "weights", "#9467bd"), ("kv_mib", "KV cache", "#7f7f7f"),
+                  ("graph_mib", "graphs", "#17becf"))
 
 
 def startup(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> str:
     """Engine start split into phases (seconds) and memory (MiB), per mode and start kind."""
-    fig = Figure(figsize=(11, 0.9 + 0.45 * max(2, len(rows))))
+    fig = Figure(figsize=(11, 1.4 + 0.45 * max(2, len(rows))))
     names = [f"{r['mode']} {r['start']}" for r in rows]
     for k, (parts, unit) in enumerate(((STARTUP_PHASES, "seconds"), (STARTUP_MEMORY, "MiB"))):
         ax = fig.add_subplot(1, 2, k + 1)
         left = [0.0] * len(rows)
-        for j, (key, label) in enumerate(parts):
+        for key, label, color in parts:
             vals = [float(r.get(key) or 0.0) for r in rows]
-            ax.barh(range(len(rows)), vals, left=left, label=label, color=PALETTE[j % len(PALETTE)]
-                    if j < 4 else "#bcbd22")
+            ax.barh(range(len(rows)), vals, left=left, label=label, color=color)
             left = [a + b for a, b in zip(left, vals)]
         for i, total in enumerate(left):
-            ax.text(total, i, f" {total:.2f}", va="center", fontsize=7)
+            ax.text(total, i, f" {total:,.1f}", va="center", fontsize=7)
         ax.set_yticks(range(len(rows)), names if k == 0 else [""] * len(rows), fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(unit)
         ax.margins(x=0.15)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(parts))
     fig.suptitle(title or "Engine start: where the time and memory go")
     return _save(fig, path)
 

@@ -135,6 +135,12 @@ def cmd_bench_serve(ns: argparse.Namespace, argv: list[str] | None) -> int:
     return run_cli(ns, argv)
 
 
+def cmd_bench_startup(ns: argparse.Namespace, argv: list[str] | None) -> int:
+    from replaylm.bench.startup import run_cli
+
+    return run_cli(ns, argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser; each subcommand stores its handler in ``func``."""
     parser = argparse.ArgumentParser(
@@ -185,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "percentiles, throughput and goodput under an SLO.")
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    from replaylm.bench.startup import add_cli_args as add_startup_args
+
+    startup = bench_sub.add_parser(
+        "startup", help="cold and warm engine start, split into phases (seconds and MiB)",
+        description="Start engines in fresh processes, cold (empty caches) and warm, and split "
+        "each start into weights, kernel tuning, KV sizing, capture and the rest.")
+    add_startup_args(startup)
+    startup.set_defaults(func=cmd_bench_startup)
     bench.set_defaults(func=lambda ns, argv: _missing(bench))
     return parser
 
