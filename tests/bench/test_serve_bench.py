@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from replaylm.cli.main import main
 from tests.bench.png import assert_png
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-requests", "5", "--input-len", "8", "--output-len", "5", "--len-dist",
         "uniform", "--no-progress"]
 
@@ -83,50 +76,20 @@ def test_rejects_conflicting_flags(capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                         ("fastapi", "uvicorn", "prometheus_client", "httpx")),
                     reason="needs the server and bench extras")
 def test_against_a_real_server_process(tmp_path):
-    import httpx
+    from tests.serve_process import serve_process
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "replaylm", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    with serve_process(tmp_path / "serve.log", "--log-level", "warning") as (proc, url):
         out = tmp_path / "http.json"
         assert main(["bench", "serve", "--base-url", url + "/v1", *TINY, "--request-rates",
                      "10,inf", "--slo-ttft-ms", "60000", "--json", str(out)]) == 0
-        record = json.loads(out.read_text())
-        assert record["target"] == url
-        _check_runs(record, ["default"], ["10", "inf"], 5)
-        assert all(q["prompt_len"] and q["prompt_len"] >= 4
-                   for r in record["runs"] for q in r["requests"])
-        assert_png(tmp_path / "http_latency.png")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        assert proc.poll() is None
+    record = json.loads(out.read_text())
+    assert record["target"] == url
+    _check_runs(record, ["default"], ["10", "inf"], 5)
+    assert all(q["prompt_len"] and q["prompt_len"] >= 4
+               for r in record["runs"] for q in r["requests"])
+    assert_png(tmp_path / "http_latency.png")

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import serve_process
 
 
 def _read_stream(url: str, body: dict, first: threading.Event, out: dict) -> None:
@@ -41,25 +30,8 @@ def _read_stream(url: str, body: dict, first: threading.Event, out: dict) -> Non
 
 
 def test_sigterm_drains_then_exits_zero(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "replaylm", "serve", "--port", str(port), "--device", "cpu",
-         "--shutdown-timeout", "2", "--log-level", "info"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    log = tmp_path / "serve.log"
+    with serve_process(log, "--shutdown-timeout", "2", "--log-level", "info") as (proc, url):
         # A short request that finishes while draining, and one too long for the timeout.
         short = {"prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}
         endless = {"prompt": "endless", "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -74,15 +46,10 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # no longer accepting connections
             httpx.get(url + "/health", timeout=2)
-        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
-        assert "stopped cleanly" in (tmp_path / "serve.log").read_text()
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert "stopped cleanly" in log.read_text()
         for t in threads:
             t.join(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
     short_events = results[0]["events"]
     assert results[0]["status"] == 200 and short_events[-1] == "[DONE]", results[0]
     chunks = [json.loads(e) for e in short_events[:-1]]
