@@ -71,3 +71,9 @@ def test_tiny_run_regenerates_the_section(tmp_path):
     assert st.main(["--tiny", "--modes", "eager,ragged", "--out", str(out), "--docs", str(doc),
                     "--skip-run"]) == 0
     assert doc.read_text() == text
+
+
+def test_the_docs_hold_one_section_to_rewrite():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert text.count(st.BEGIN) == 1 and text.count(st.END) == 1
+    assert text.index(st.BEGIN) < text.index(st.END)
