@@ -94,14 +94,18 @@ def add_modes_arg(parser: argparse.ArgumentParser) -> None:
                         "(default: the engine's default mode)")
 
 
-def resolve_load_format(ns: argparse.Namespace) -> None:
-    """``--load-format`` left unset: dummy (random weights) for named shapes and the built-in
-    default, auto for a model directory."""
+def resolve_model_defaults(ns: argparse.Namespace) -> None:
+    """Engine flags a bench command leaves unset (``None``) by default: ``--load-format``
+    becomes dummy (random weights) for named shapes and the built-in default, auto for a
+    model directory; ``--skip-tokenizer-init`` becomes on for named shapes (they ship no
+    tokenizer) and off for the rest."""
     from replaylm.model.shapes import resolve_model
 
+    directory, _ = resolve_model(ns.model)
     if ns.load_format is None:
-        directory, _ = resolve_model(ns.model)
         ns.load_format = "dummy" if directory is None or ns.model == "default" else "auto"
+    if ns.skip_tokenizer_init is None:
+        ns.skip_tokenizer_init = directory is None
 
 
 def each_engine(base: EngineArgs, modes: list[str | None], log: Log = print

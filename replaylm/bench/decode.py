@@ -36,7 +36,7 @@ from replaylm.bench.common import (
     parse_modes,
     percentile,
     png_path,
-    resolve_load_format,
+    resolve_model_defaults,
     write_json,
 )
 from replaylm.bench.observer import StepClock, observing
@@ -342,7 +342,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench decode``."""
     from replaylm.bench.peer_hf import format_peers, parse_hf_modes, ratios, run_hf_peer
 
-    resolve_load_format(ns)
+    resolve_model_defaults(ns)
     if max(ns.batch_sizes) > ns.max_num_seqs:
         ns.max_num_seqs = max(ns.batch_sizes)
     base = EngineArgs.from_cli_args(ns)

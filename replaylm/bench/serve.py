@@ -39,7 +39,7 @@ from replaylm.bench.common import (
     padding_between,
     parse_modes,
     png_path,
-    resolve_load_format,
+    resolve_model_defaults,
     write_json,
 )
 from replaylm.bench.latency import RequestResult, format_runs, summarize
@@ -204,8 +204,9 @@ def run_target(target: Any, workload: Workload, rates: list[float | None], mode:
                stats: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every rate against one target; returns one summary per rate."""
     if warmup:
-        warm, _ = workload.requests(-1, math.inf, vocab_size, max_model_len)
-        warm = [dataclasses.replace(s, output_len=min(4, s.output_len)) for s in warm[:warmup]]
+        warm = synthetic(warmup, workload.input_len, 4, "fixed", 0.0, vocab_size, workload.seed,
+                         prompt_seed=workload.seed + 999)
+        warm = fit_context(warm, max_model_len)[0] if max_model_len else warm
         asyncio.run(replay(warm, target.send, progress=False))
     runs = []
     for i, rate in enumerate(rates):
@@ -245,7 +246,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "or prompt_len, optional arrival_s")
     w.add_argument("--bench-seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
     w.add_argument("--warmup-requests", type=int, default=1,
-                   help="short unmeasured requests before the runs of each target (default: 1)")
+                   help="short unmeasured requests (random prompts of --input-len tokens) "
+                   "before the runs of each target (default: 1)")
     t = parser.add_argument_group("target and output")
     t.add_argument("--base-url", default=None,
                    help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
@@ -258,7 +260,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="OUT", default=None,
                    help="write every run (and every request) here, and PNG plots next to it "
                    "(OUT stem + _latency, _throughput)")
-    EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=True)
+    EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=None)
     return parser
 
 
@@ -275,7 +277,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench serve``."""
     from replaylm.engine.core import load_model_config
 
-    resolve_load_format(ns)
+    resolve_model_defaults(ns)
     try:
         rates = _rates(ns)
         modes = parse_modes(ns.modes)
@@ -301,6 +303,10 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         except ImportError:
             print("bench serve --base-url needs httpx: pip install 'replaylm[bench]'",
                   file=sys.stderr)
+            return 1
+        except Exception as e:  # httpx's connection errors, or a reply that is not a model list
+            print(f"error: no OpenAI-compatible server at {ns.base_url} "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
             return 1
         device, target_name = f"server at {target.base}", target.base
         try:

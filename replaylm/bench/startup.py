@@ -36,7 +36,7 @@ from replaylm.bench.common import (
     engine_args_for_mode,
     parse_modes,
     png_path,
-    resolve_load_format,
+    resolve_model_defaults,
     write_json,
 )
 from replaylm.config import EngineArgs
@@ -169,13 +169,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds one start may take (default: 900)")
     parser.add_argument("--json", metavar="OUT", default=None,
                         help="write every start here, and a PNG next to it (OUT stem + _startup)")
-    EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=True)
+    EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=None)
     return parser
 
 
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench startup``."""
-    resolve_load_format(ns)
+    resolve_model_defaults(ns)
     starts = [s.strip() for s in ns.starts.split(",") if s.strip()]
     try:
         modes = parse_modes(ns.modes)

@@ -61,8 +61,10 @@ def test_trace_file_in_process(tmp_path):
         {"arrival_s": 0.3, "prompt": [11, 12, 13], "output_len": 2},
     ]))
     out = tmp_path / "trace.json"
+    # The built-in model has a tokenizer, so bench serve loads it (as a server would) and the
+    # text prompt runs.
     assert main(["bench", "serve", "--device", "cpu", "--trace", str(trace), "--no-progress",
-                 "--load-format", "auto", "--no-skip-tokenizer-init", "--json", str(out)]) == 0
+                 "--json", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["rate_label"] == "trace" and run["completed"] == 3
     assert [q["output_tokens"] for q in run["requests"]] == [3, 4, 2]
@@ -74,6 +76,14 @@ def test_rejects_conflicting_flags(capsys):
     assert main(["bench", "serve", "--request-rate", "1", "--request-rates", "1,2"]) == 2
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--modes", "eager"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    from tests.serve_process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "serve", "--base-url", url, "--num-requests", "1"]) == 1
+    assert f"no OpenAI-compatible server at {url}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
