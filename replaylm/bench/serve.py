@@ -24,7 +24,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
@@ -58,9 +59,16 @@ from replaylm.config import EngineArgs
 Send = Callable[[RequestSpec, RequestResult, float], Awaitable[None]]
 
 
-async def replay(specs: list[RequestSpec], send: Send, desc: str = "",
+async def replay(specs: list[RequestSpec], target: Any, desc: str = "",
                  progress: bool = True) -> list[RequestResult]:
-    """Send every request at its arrival time (concurrently) and wait for all of them."""
+    """Send every request to ``target`` at its arrival time (concurrently) and wait for all
+    of them, inside one ``target.session()``."""
+    async with target.session():
+        return await _replay(specs, target.send, desc, progress)
+
+
+async def _replay(specs: list[RequestSpec], send: Send, desc: str, progress: bool
+                  ) -> list[RequestResult]:
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(specs), desc=desc, unit="req", disable=not progress)
@@ -101,6 +109,10 @@ class InProcess:
         self.loop.start()
         self._ids = itertools.count()
 
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        yield
+
     async def send(self, spec: RequestSpec, res: RequestResult, t0: float) -> None:
         from replaylm.server.engine_loop import EngineFailure
 
@@ -135,9 +147,17 @@ class Http:
         info = httpx.get(f"{self.base}/v1/models", timeout=30, trust_env=False).json()
         self.model_id = info["data"][0]["id"]
         self.max_model_len = info["data"][0].get("max_model_len")
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None), trust_env=False,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.client: Any = None
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        """One connection pool per run (each run has its own event loop)."""
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False,
+                                     limits=limits) as self.client:
+            yield
 
     async def send(self, spec: RequestSpec, res: RequestResult, t0: float) -> None:
         body = {"model": self.model_id, "prompt": spec.prompt, "max_tokens": spec.output_len,
@@ -165,9 +185,6 @@ class Http:
         res.finished_s = time.perf_counter() - t0
         if not res.output_tokens:  # a server that sends no usage: one token per chunk
             res.output_tokens = len(res.chunk_s)
-
-    def close(self) -> None:
-        asyncio.run(self.client.aclose())
 
 
 @dataclasses.dataclass
@@ -207,13 +224,13 @@ def run_target(target: Any, workload: Workload, rates: list[float | None], mode:
         warm = synthetic(warmup, workload.input_len, 4, "fixed", 0.0, vocab_size, workload.seed,
                          prompt_seed=workload.seed + 999)
         warm = fit_context(warm, max_model_len)[0] if max_model_len else warm
-        asyncio.run(replay(warm, target.send, progress=False))
+        asyncio.run(replay(warm, target, progress=False))
     runs = []
     for i, rate in enumerate(rates):
         specs, clipped = workload.requests(first_run + i, rate, vocab_size, max_model_len)
         label = "trace" if rate is None else rate_label(rate)
         before = stats() if stats else None
-        results = asyncio.run(replay(specs, target.send, f"{mode} rate {label}", progress))
+        results = asyncio.run(replay(specs, target, f"{mode} rate {label}", progress))
         run = {"mode": mode, "request_rate": None if rate is None or math.isinf(rate) else rate,
                "rate_label": label, "num_requests": len(specs), "clipped": clipped,
                **summarize(results, slo)}
@@ -244,7 +261,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     w.add_argument("--trace", default=None, metavar="JSONL",
                    help="requests from a JSONL file: output_len and prompt (text or token ids) "
                    "or prompt_len, optional arrival_s")
-    w.add_argument("--bench-seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
+    w.add_argument("--bench-seed", type=int, default=0,
+                   help="seed of lengths, prompts and arrivals; change it between runs against "
+                   "one server, whose prefix cache may hold an earlier run's prompts")
     w.add_argument("--warmup-requests", type=int, default=1,
                    help="short unmeasured requests (random prompts of --input-len tokens) "
                    "before the runs of each target (default: 1)")
@@ -309,11 +328,8 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
                   f"({type(e).__name__}: {e})", file=sys.stderr)
             return 1
         device, target_name = f"server at {target.base}", target.base
-        try:
-            runs = run_target(target, workload, rates, target.model_id, vocab,
-                              target.max_model_len, slo, ns.warmup_requests, progress)
-        finally:
-            target.close()
+        runs = run_target(target, workload, rates, target.model_id, vocab,
+                          target.max_model_len, slo, ns.warmup_requests, progress)
     else:
         base = EngineArgs.from_cli_args(ns)
         device, target_name = "?", "in-process"
