@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install replaylm into it (CPU machine).
 #   scripts/setup.sh          engine only
-#   scripts/setup.sh --test   engine + server + test tools (pytest, hypothesis, ruff, openai
-#                             client, triton interpreter)
+#   scripts/setup.sh --test   engine + server + bench plots + test tools (pytest, hypothesis,
+#                             ruff, openai client, matplotlib, triton interpreter)
 # torch is pinned to 2.13.0 first: on the CPU machines here that is a local CPU build, while an
 # unpinned torch would pull a multi-GB CUDA build. transformers is pinned to the GPU machine's
 # 5.17 so the reference the tests compare against is the same everywhere.
@@ -14,5 +14,5 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip >/dev/null
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 extras=""
-if [ "${1:-}" = "--test" ]; then extras="[test,server]"; pip install -q "triton==3.6.0"; fi
+if [ "${1:-}" = "--test" ]; then extras="[test,server,bench]"; pip install -q "triton==3.6.0"; fi
 pip install -q -e ".${extras}" "transformers==5.17.*"

@@ -17,15 +17,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
-import platform
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from replaylm.bench.common import (
+    add_modes_arg,
+    command_line,
+    device_name_of,
+    draw,
+    each_engine,
+    graph_summary,
+    int_list,
+    padding_between,
+    parse_modes,
+    percentile,
+    png_path,
+    resolve_model_defaults,
+    write_json,
+)
+from replaylm.bench.observer import StepClock, observing
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
 
@@ -54,6 +69,9 @@ class DecodeRow:
     graph_nodes: int | None = None
     weight_bytes: int | None = None
     graphs: dict[str, Any] | None = None  # the engine's graph stats after this run
+    padding_share: float | None = None  # padded share of the tokens graphs ran in this row
+    step_ms_p50: float | None = None  # time between step() returns in the kept timed call
+    step_ms_p99: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,14 +101,30 @@ def _sync(llm: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
-    """Wall seconds of one ``generate`` call and the number of tokens it generated."""
+def timed_generate(llm: Any, prompts: list[list[int]], params: SamplingParams,
+                   clock: StepClock | None = None) -> tuple[float, int]:
+    """Wall seconds of one ``generate`` call and the number of tokens it generated; with
+    ``clock``, the return of every step of the call is noted on it."""
     _sync(llm)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with observing(llm.engine, clock):
+        outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(llm)
     wall = time.perf_counter() - start
     return wall, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _timed_runs(llm: Any, prompts: Callable[[int], list[list[int]]], params: SamplingParams,
+                repeats: int) -> tuple[list[float], float, int, list[float]]:
+    """``repeats`` timed calls, repeat ``r`` on ``prompts(r)``: every wall, the best's wall,
+    tokens and step intervals (ms)."""
+    runs = []
+    for r in range(max(1, repeats)):
+        clock = StepClock()
+        wall, generated = timed_generate(llm, prompts(r), params, clock)
+        runs.append((wall, generated, clock.intervals_ms()))
+    wall, generated, steps = min(runs, key=lambda r: r[0])
+    return [r[0] for r in runs], wall, generated, steps
 
 
 def weight_bytes_of(llm: Any) -> int:
@@ -133,14 +167,14 @@ def bench_batch1(
     """Batch-1 decode: warm-up once, then best of ``repeats`` whole ``generate`` calls."""
     params = greedy_params(new_tokens)
     vocab = _vocab_of(llm)
-    # Different prompts for the warm-up and every timed run (``prompt_seed``), so no prefix
-    # reuse can flatter the numbers.
-    timed_generate(llm, random_prompts(1, prompt_len, vocab, prompt_seed(seed, 1, None)), params)
-    runs = [timed_generate(llm, random_prompts(1, prompt_len, vocab, prompt_seed(seed, 1, r)),
-                           params) for r in range(max(1, repeats))]
-    walls = [w for w, _ in runs]
-    best = min(range(len(runs)), key=lambda i: walls[i])
-    wall, generated = runs[best]
+
+    def prompts(repeat: int | None) -> list[list[int]]:
+        # The warm-up and every timed run draw their own prompts (``prompt_seed``), so no
+        # prefix reuse can flatter the numbers.
+        return random_prompts(1, prompt_len, vocab, prompt_seed(seed, 1, repeat))
+
+    timed_generate(llm, prompts(None), params)
+    walls, wall, generated, steps = _timed_runs(llm, prompts, params, repeats)
     ms_per_token = wall / generated * 1e3
     wbytes = weight_bytes_of(llm)
     nodes = graph_nodes_of(llm)
@@ -150,6 +184,7 @@ def bench_batch1(
         generated_tokens=generated, wall_s=wall, tok_s=generated / wall,
         ms_per_token=ms_per_token, all_wall_s=walls, floor_ms=fl,
         floor_share=fl / ms_per_token, graph_nodes=nodes, weight_bytes=wbytes,
+        step_ms_p50=percentile(steps, 50), step_ms_p99=percentile(steps, 99),
     )
 
 
@@ -163,37 +198,20 @@ def bench_batched(
     """
     params = greedy_params(new_tokens)
     vocab = _vocab_of(llm)
-    timed_generate(llm, random_prompts(batch_size, prompt_len, vocab,
-                                       prompt_seed(seed, batch_size, None)), params)
-    runs = [timed_generate(llm, random_prompts(batch_size, prompt_len, vocab,
-                                               prompt_seed(seed, batch_size, r)), params)
-            for r in range(max(1, repeats))]
-    walls = [w for w, _ in runs]
-    best = min(range(len(runs)), key=lambda i: walls[i])
-    wall, generated = runs[best]
+
+    def prompts(repeat: int | None) -> list[list[int]]:
+        return random_prompts(batch_size, prompt_len, vocab,
+                              prompt_seed(seed, batch_size, repeat))
+
+    timed_generate(llm, prompts(None), params)
+    walls, wall, generated, steps = _timed_runs(llm, prompts, params, repeats)
     return DecodeRow(
         mode=_mode_of(llm), batch=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
         generated_tokens=generated, wall_s=wall, tok_s=generated / wall,
         ms_per_token=wall / new_tokens * 1e3, all_wall_s=walls,
         graph_nodes=graph_nodes_of(llm), weight_bytes=weight_bytes_of(llm),
+        step_ms_p50=percentile(steps, 50), step_ms_p99=percentile(steps, 99),
     )
-
-
-def engine_args_for_mode(base: EngineArgs, mode: str | None) -> EngineArgs:
-    """``eager`` means ``enforce_eager``; ``None`` keeps the engine's default mode."""
-    if mode is None:
-        return base
-    if mode == "eager":
-        return base.replace(enforce_eager=True, cuda_graph_mode="eager")
-    return base.replace(enforce_eager=False, cuda_graph_mode=mode)
-
-
-def release_memory() -> None:
-    """Collect the dropped engine and return its GPU memory before the next one is built.
-    The caller must have deleted its own reference first."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run_decode_bench(
@@ -211,22 +229,16 @@ def run_decode_bench(
     """Run every (mode, batch size); returns the rows and the device name.
 
     With ``profile_dir``, each row is followed by a profiled run of the same prompts (per-step
-    CPU time, GPU busy/idle, graph nodes; JSON) and a short traced one (Chrome trace).
+    CPU time, GPU busy/idle, graph nodes; JSON) and a short traced one (Chrome trace, and one
+    steady step of it as a timeline), and ``DIR/timeline_bN.png`` draws each batch size's
+    step of every mode, one above the other.
     """
-    from replaylm import LLM
-
     rows: list[DecodeRow] = []
     device_name = "?"
-    for mode in modes:
-        args = engine_args_for_mode(base, mode)
-        start = time.perf_counter()
-        llm = LLM.from_engine_args(args)
-        g = llm.graph_stats()
-        log(f"[bench] mode={llm.graph_mode} engine ready in {time.perf_counter() - start:.1f} s "
-            f"on {llm.device}; captured {g['num_graphs']} graphs in {g['capture_seconds']} s, "
-            f"{g['graph_mib']} MiB; kernel tuning {llm.engine.runner.tune_seconds:.1f} s")
+    for llm, _ in each_engine(base, modes, log):
         device_name = device_name_of(llm.device)
         for bs in batch_sizes:
+            before = llm.graph_stats()
             if bs == 1:
                 row = bench_batch1(llm, prompt_len, new_tokens, repeats, seed)
             else:
@@ -234,13 +246,26 @@ def run_decode_bench(
                 row = bench_batched(llm, bs, batched_prompt_len, new_tokens, 1, seed)
             log(f"[bench] mode={row.mode} batch={bs}: {row.tok_s:,.1f} tok/s")
             row.graphs = llm.graph_stats()
+            row.padding_share = padding_between(before, row.graphs)
             if profile_dir is not None:
                 row.profile = _profile_row(llm, row, profile_dir, prompt_len if bs == 1
                                            else batched_prompt_len, seed, log)
             rows.append(row)
-        del llm
-        release_memory()
+    if profile_dir is not None:
+        draw([("step_timeline", (tls, f"{profile_dir}/timeline_b{bs}.png",
+                                 f"One decode step at batch {bs} ({device_name})"))
+              for bs, tls in _timelines_by_batch(rows).items()])
     return rows, device_name
+
+
+def _timelines_by_batch(rows: list[DecodeRow]) -> dict[int, list[dict[str, Any]]]:
+    """Each batch size's profiled step timelines, eager first."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: r.mode != "eager"):
+        tl = (r.profile or {}).get("timeline")
+        if tl and tl["spans"]:
+            out.setdefault(r.batch, []).append(tl)
+    return out
 
 
 def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: int,
@@ -263,19 +288,18 @@ def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: 
         log(f"[profile]   {us:8.2f} us/token  {launches:6.2f}x  {name}")
     for name, us, launches in result.get("chain_share_us_per_token", [])[:10]:
         log(f"[profile]   adds {us:8.2f} us/token  {launches:6.2f}x  {name}")
+    tl = result.get("timeline")
+    if tl:
+        log(f"[profile]   one step: {tl['kernels']} {'kernels' if tl['source'] == 'device' else 'host ops'} "
+            f"in {tl['window_us']:.1f} us, gaps {100 * tl['gap_share']:.1f}%")
     return {"summary": result["summary"], "trace": result.get("trace"),
-            "trace_gpu_busy_share": result.get("trace_gpu_busy_share")}
-
-
-def device_name_of(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
+            "trace_gpu_busy_share": result.get("trace_gpu_busy_share"), "timeline": tl}
 
 
 def format_table(rows: list[DecodeRow]) -> str:
     """Plain-text table; batch-1 rows carry the floor and the share of it reached."""
-    head = f"{'mode':<20} {'batch':>5} {'tok/s':>12} {'ms/token':>10}  floor (H200)"
+    head = (f"{'mode':<20} {'batch':>5} {'tok/s':>12} {'ms/token':>10} {'p99 step ms':>11} "
+            f"{'padding':>8}  floor (H200)")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.batch == 1 and r.floor_ms is not None:
@@ -284,28 +308,24 @@ def format_table(rows: list[DecodeRow]) -> str:
             floor = f"{r.floor_ms:.3f} ms ({nodes}); share {100 * (r.floor_share or 0):.1f}%"
         else:
             floor = "-"
-        lines.append(f"{r.mode:<20} {r.batch:>5} {r.tok_s:>12,.1f} {r.ms_per_token:>10.3f}  {floor}")
+        p99 = f"{r.step_ms_p99:.3f}" if r.step_ms_p99 is not None else "-"
+        lines.append(f"{r.mode:<20} {r.batch:>5} {r.tok_s:>12,.1f} {r.ms_per_token:>10.3f} "
+                     f"{p99:>11} {100 * (r.padding_share or 0):>7.1f}%  {floor}")
     lines.append("tok/s: batch 1 = new tokens ÷ wall of generate (prefill included), best of "
                  "repeats; batch N = generated tokens ÷ wall. ms/token: per request.")
+    lines.append("p99 step ms: 99th percentile of the time between step() returns (one token per "
+                 "running request each); padding: padded share of the tokens graphs ran.")
     lines.append("floor = weight bytes ÷ 4.23 TB/s + graph nodes × 1 µs; share = floor ÷ "
                  "measured ms/token.")
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Benchmark flags plus every engine flag. ``--load-format`` defaults to dummy for named
     shapes (and the built-in default) and to auto for a model directory."""
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 256],
+    from replaylm.bench.peer_hf import HF_MODES
+
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 256],
                         help="comma-separated batch sizes (default: 1,256)")
     parser.add_argument("--prompt-len", type=int, default=32,
                         help="batch-1 prompt length in tokens (default: 32)")
@@ -315,56 +335,70 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="new tokens per request (default: 256)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="batch-1 timed calls after the warm-up; best is kept (default: 3)")
-    parser.add_argument("--modes", type=str, default=None,
-                        help="comma-separated graph modes, e.g. eager,full,piecewise "
-                        "(default: the engine's default mode)")
+    add_modes_arg(parser)
     parser.add_argument("--bench-seed", type=int, default=0,
                         help="seed of the random token-id prompts (default: 0)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="after each row, profile one more run: per-step CPU time, GPU "
-                        "busy/idle time and graph nodes (DIR/MODE_bN.steps.json) and a "
-                        "Chrome/Perfetto trace of a short run (DIR/MODE_bN.trace.json)")
+                        "busy/idle time and graph nodes (DIR/MODE_bN.steps.json), a "
+                        "Chrome/Perfetto trace of a short run (DIR/MODE_bN.trace.json) and one "
+                        "step of it drawn per batch size, every mode one above the other "
+                        "(DIR/timeline_bN.png)")
+    parser.add_argument("--peer", choices=["hf"], default=None,
+                        help="also run Hugging Face transformers on the same checkpoint, "
+                        "prompts and protocol, and print replaylm's ratio against it")
+    parser.add_argument("--peer-hf-modes", default=",".join(HF_MODES),
+                        help="transformers modes for --peer hf (default: all of "
+                        f"{','.join(HF_MODES)})")
     parser.add_argument("--json", metavar="OUT", default=None,
-                        help="write all rows, the command line, torch version and device here")
+                        help="write all rows, the command line, torch version and device here, "
+                        "and PNG plots next to it (OUT stem + _throughput, _padding, _capture)")
     EngineArgs.add_cli_args(parser, load_format=None, skip_tokenizer_init=True)
     return parser
 
 
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench decode``."""
-    from replaylm.config import GRAPH_MODES
-    from replaylm.model.shapes import resolve_model
+    from replaylm.bench.peer_hf import format_peers, parse_hf_modes, ratios, run_hf_peer
 
-    directory, _ = resolve_model(ns.model)
-    if ns.load_format is None:
-        named = directory is None or ns.model == "default"
-        ns.load_format = "dummy" if named else "auto"
+    resolve_model_defaults(ns)
     if max(ns.batch_sizes) > ns.max_num_seqs:
         ns.max_num_seqs = max(ns.batch_sizes)
     base = EngineArgs.from_cli_args(ns)
-    modes: list[str | None] = [None]
-    if ns.modes:
-        modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in GRAPH_MODES]
-        if bad:
-            print(f"error: unknown mode(s) {bad}; choose from {list(GRAPH_MODES)}", file=sys.stderr)
-            return 2
+    try:
+        modes = parse_modes(ns.modes)
+        hf_modes = parse_hf_modes(ns.peer_hf_modes) if ns.peer else []
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows, device = run_decode_bench(
         base, modes, ns.batch_sizes, ns.prompt_len, ns.batched_prompt_len, ns.new_tokens,
         ns.repeats, ns.bench_seed, profile_dir=ns.profile,
     )
+    row_dicts = [r.as_dict() for r in rows]
+    peers = [p.as_dict() for p in run_hf_peer(
+        base, hf_modes, ns.batch_sizes, ns.prompt_len, ns.batched_prompt_len, ns.new_tokens,
+        ns.repeats, ns.bench_seed)] if hf_modes else []
+    ratio_rows = ratios(row_dicts, peers)
     print(f"model {ns.model} on {device}, torch {torch.__version__}")
     print(format_table(rows))
+    if peers:
+        print(format_peers(peers, ratio_rows))
     if ns.json:
-        record = {
-            "command": "replaylm " + " ".join(sys.argv[1:] if argv is None else argv),
+        write_json(ns.json, {
+            "command": command_line(argv),
             "torch": torch.__version__,
             "device": device,
             "model": ns.model,
             "engine_args": dataclasses.asdict(base),
-            "rows": [r.as_dict() for r in rows],
-        }
-        with open(ns.json, "w") as f:
-            json.dump(record, f, indent=2)
-        print(f"wrote {ns.json}")
+            "rows": row_dicts,
+            "peers": peers,
+            "ratios": ratio_rows,
+        })
+        captures = [{"mode": r["mode"], **graph_summary(r["graphs"])} for r in
+                    {r["mode"]: r for r in row_dicts}.values()]
+        title = f"{ns.model} on {device}"
+        draw([("decode_throughput", (row_dicts, peers, png_path(ns.json, "throughput"), title)),
+              ("padding_waste", (row_dicts, png_path(ns.json, "padding"), title)),
+              ("capture_cost", (captures, png_path(ns.json, "capture"), title))])
     return 0

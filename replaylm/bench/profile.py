@@ -18,6 +18,8 @@ short run under ``torch.profiler`` that writes a Chrome/Perfetto trace; ``kernel
 reads such a trace back and measures the device's busy share over the decode window from the
 kernels and copies themselves; ``chain_share`` splits the busy time among the kernels, each
 charged only what it adds past the ones before it (PDL launches overlap their predecessors).
+The traced run marks each step (``replaylm.bench.timeline``), and one steady decode step of it
+is kept as a timeline: its kernels on a time axis, the launch gaps between them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import time
 from typing import Any
 
 import torch
+
+from replaylm.bench.observer import StepObserver, observing
+from replaylm.bench.timeline import StepMarks, trace_timeline
 
 
 @dataclasses.dataclass
@@ -44,7 +49,7 @@ class StepSample:
     graph_nodes: int | None = None
 
 
-class StepProfiler:
+class StepProfiler(StepObserver):
     """Collects one ``StepSample`` per launched step; ``finish()`` resolves the GPU times."""
 
     def __init__(self, device: torch.device, node_counts: dict[str, int]) -> None:
@@ -127,11 +132,8 @@ def profile_run(llm: Any, prompts: list[list[int]], params: Any,
     """One ``generate`` under the step profiler; optionally a short traced one as well."""
     core = llm.engine
     prof = StepProfiler(core.runner.device, core.runner.graphs.stats.nodes)
-    core.step_observer = prof
-    try:
+    with observing(core, prof):
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        core.step_observer = None
     samples = prof.finish()
     result = {"summary": summarize(samples), "steps": [dataclasses.asdict(s) for s in samples]}
     if trace_path is not None:
@@ -141,10 +143,12 @@ def profile_run(llm: Any, prompts: list[list[int]], params: Any,
         activities = [ProfilerActivity.CPU]
         if core.runner.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as p:
+        with observing(core, StepMarks()), profile(activities=activities) as p:
             llm.generate(prompts, short, use_tqdm=False)
         p.export_chrome_trace(trace_path)
         result["trace"] = trace_path
+        timeline = trace_timeline(trace_path, str(llm.graph_mode))
+        result["timeline"] = timeline.as_dict() if timeline is not None else None
         result["trace_gpu_busy_share"] = kernel_busy_share(trace_path)
         result["top_kernels_us_per_token"] = top_kernels(trace_path, short.max_tokens)
         result["chain_share_us_per_token"] = chain_share(trace_path, short.max_tokens)

@@ -1,4 +1,4 @@
-"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode``.
+"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode|serve|startup``.
 
 Engine flags come from :meth:`EngineArgs.add_cli_args`, so every command spells them as
 ``LLM(...)`` does. The engine is imported only when a command runs, so ``--help`` stays fast.
@@ -7,6 +7,7 @@ Engine flags come from :meth:`EngineArgs.add_cli_args`, so every command spells 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -123,10 +124,24 @@ def cmd_serve(ns: argparse.Namespace, argv: list[str] | None) -> int:
     return run_cli(ns, argv)
 
 
-def cmd_bench_decode(ns: argparse.Namespace, argv: list[str] | None) -> int:
-    from replaylm.bench.decode import run_cli
+BENCHES: dict[str, tuple[str, str]] = {
+    "decode": ("batch-1 and batched decode tok/s per graph mode",
+               "Decode tok/s per graph mode, with the batch-1 bandwidth floor."),
+    "serve": ("replay a request trace: TTFT, TPOT, ITL, end-to-end latency, goodput",
+              "Replay requests (Poisson arrivals at one or more rates, or a JSONL trace) "
+              "against engines in this process or a running server (--base-url); report "
+              "latency percentiles, throughput and goodput under an SLO."),
+    "startup": ("cold and warm engine start, split into phases (seconds and MiB)",
+                "Start engines in fresh processes, cold (empty caches) and warm, and split "
+                "each start into weights, kernel tuning, KV sizing, capture and the rest."),
+}
 
-    return run_cli(ns, argv)
+
+def _bench_command(name: str) -> Handler:
+    """The handler of ``replaylm bench NAME``: ``replaylm.bench.NAME.run_cli``."""
+    def run(ns: argparse.Namespace, argv: list[str] | None) -> int:
+        return importlib.import_module(f"replaylm.bench.{name}").run_cli(ns, argv)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,17 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from replaylm.bench.decode import add_cli_args as add_decode_args
-
-    bench = sub.add_parser("bench", help="benchmarks (see: replaylm bench decode --help)",
+    bench = sub.add_parser("bench", help="benchmarks: decode, serve, startup",
                            description="Benchmarks that follow the measurement protocol of "
                            "docs/benchmarks.md.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    decode = bench_sub.add_parser(
-        "decode", help="batch-1 and batched decode tok/s per graph mode",
-        description="Decode tok/s per graph mode, with the batch-1 bandwidth floor.")
-    add_decode_args(decode)
-    decode.set_defaults(func=cmd_bench_decode)
+    for name, (help_, description) in BENCHES.items():
+        cmd = bench_sub.add_parser(name, help=help_, description=description)
+        importlib.import_module(f"replaylm.bench.{name}").add_cli_args(cmd)
+        cmd.set_defaults(func=_bench_command(name))
     bench.set_defaults(func=lambda ns, argv: _missing(bench))
     return parser
 

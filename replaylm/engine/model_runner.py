@@ -87,8 +87,10 @@ class ModelRunner:
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
         self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
+        t0 = time.perf_counter()
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self.model.bind(self.attn, self.kv_caches, max_model_len)
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

@@ -10,7 +10,8 @@ from replaylm.cli.main import main
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["generate"], ["demo"], ["serve"], ["bench"], ["bench", "decode"]],
+    "argv", [[], ["generate"], ["demo"], ["serve"], ["bench"], ["bench", "decode"],
+             ["bench", "serve"], ["bench", "startup"]],
     ids=" ".join
 )
 def test_help_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

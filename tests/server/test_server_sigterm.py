@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve_process import serve_process
 
 
 def _read_stream(url: str, body: dict, first: threading.Event, out: dict) -> None:
@@ -52,26 +41,8 @@ def test_sigterm_drains_then_cancels_cleanly_and_exits_zero(tmp_path):
     """SIGTERM: stop accepting; a request that finishes within --shutdown-timeout finishes;
     past it, every stream gets an error event and [DONE] and every plain request a 503 JSON;
     no traceback in the log; exit status 0."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    log_path = tmp_path / "serve.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "replaylm", "serve", "--port", str(port), "--device", "cpu",
-         "--shutdown-timeout", "2", "--log-level", "info"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    log = tmp_path / "serve.log"
+    with serve_process(log, "--shutdown-timeout", "2", "--log-level", "info") as (proc, url):
         # A short stream that finishes while draining, and requests far too long for the
         # timeout: two streams and two plain ones (max_model_len is 2048).
         short = {"prompt": "short", "max_tokens": 40, "ignore_eos": True, "stream": True}
@@ -92,15 +63,10 @@ def test_sigterm_drains_then_cancels_cleanly_and_exits_zero(tmp_path):
         time.sleep(0.5)
         with pytest.raises(httpx.HTTPError):  # no longer accepting connections
             httpx.get(url + "/health", timeout=2)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        assert proc.wait(timeout=60) == 0, log.read_text()
         for t in threads:
             t.join(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    text = log_path.read_text()
+    text = log.read_text()
     assert "stopped cleanly" in text
     assert "Traceback" not in text and "Exception in ASGI" not in text, text
     assert "Cancel" not in text, text  # uvicorn never had to cancel a task itself
