@@ -21,6 +21,8 @@ from replaylm.model.loader import default_model_weights
 from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
+from replaylm.spec.drafter import make_drafter
+from replaylm.spec.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,13 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}
         self.outputs: dict[Request, OutputState] = {}
         self._arrivals = itertools.count()
+        # Speculative decoding (``speculative_config``): the drafter and its counters. Steps
+        # then resolve before the next is built (no overlap): the next step's input is the
+        # last token each verify emitted, known on the host only after acceptance.
+        spec = self.runner.spec
+        self.drafter = make_drafter(spec) if spec is not None else None
+        self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
+        self._overlap = args.overlap_scheduling and spec is None
         # Overlap scheduling: the launched step not yet resolved (its output and samples).
         self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
         # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
@@ -234,6 +243,8 @@ class EngineCore:
         obs = self.step_observer
         if obs is not None:
             obs.begin()
+        if self.drafter is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
@@ -248,8 +259,10 @@ class EngineCore:
                 padded_tokens=padded, num_reqs=len(out.scheduled),
                 fallback_reason=dispatch.reason,
             ))
+            if self.spec_stats is not None:
+                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded)
             launched = (out, pending)
-        if self.args.overlap_scheduling:
+        if self._overlap:
             resolve, self._inflight = self._inflight, launched
         else:
             resolve = launched
@@ -266,9 +279,28 @@ class EngineCore:
         sampled = pending.tokens() if pending is not None else []
         if obs is not None:
             obs.waited(time.perf_counter() - t0)
-        attach_logprobs(out, pending)
+        if self.spec_stats is not None:
+            self.spec_stats.record_resolve(out.scheduled, sampled)
+        attach_logprobs(out, pending, sampled)
         changed = self.scheduler.update(out, sampled)
         return [self._delta(req) for req in changed]
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
+
+        Requests with penalties get none: their penalties count the outputs before each
+        sampled row, and the rows of a verify would not see the drafts before them.
+        """
+        k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
+        reqs = []
+        for r in self.scheduler.running:
+            r.draft_tokens = []
+            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens \
+                    and not r.sampling_params.uses_penalties:
+                reqs.append(r)
+        room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+        for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]
+            r.draft_tokens = drafts
 
     def _delta(self, req: Request) -> RequestDelta:
         delta = make_delta(req, self.outputs[req], self.scheduler)

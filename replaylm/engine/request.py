@@ -92,6 +92,9 @@ class Request:
         # Prefix caching: hashes of the request's full blocks registered so far (chain order).
         self.block_hashes: list[tuple[int, int]] = []  # (chain hash, cache entry serial)
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
+        # Speculative decoding: the drafter's proposal for the next step (the scheduler
+        # verifies what fits); empty when speculation is off or nothing was proposed.
+        self.draft_tokens: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,144 @@
+"""Speculative decoding through the engine: output equals plain decoding token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaylm import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    path = tmp_path_factory.mktemp("spec-qwen3")
+    make_checkpoint("qwen3", path, seed=11)
+    return path
+
+
+def _engine(path, mode, spec=None, **kw):
+    args = dict(num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128,
+                max_graph_tokens=32, skip_tokenizer_init=True, attention_backend="torch_dense",
+                speculative_config=spec)
+    if mode == "eager":
+        return LLM(str(path), enforce_eager=True, **(args | kw))
+    graph = dict(cuda_graph_mode=mode, graph_check=1, poison_padding=True)
+    return LLM(str(path), **(args | graph | kw))
+
+
+def _prompt(g: torch.Generator, i: int) -> list[int]:
+    """Every other prompt repeats a span (n-gram drafts find matches); the rest are random."""
+    n = int(torch.randint(2, 30, (1,), generator=g))
+    if i % 2:
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+    span = torch.randint(3, 256, (int(torch.randint(2, 6, (1,), generator=g)),),
+                         generator=g).tolist()
+    return (span * 12)[:n + 4]
+
+
+def _traffic(llm: LLM, seed: int = 0, n_reqs: int = 10, **sp_kw) -> dict[str, list[int]]:
+    """Random arrivals: chunked prefills, decodes, verifies and preemptions in one run."""
+    g = torch.Generator().manual_seed(seed)
+    core = llm.engine
+    arrivals: dict[int, list[int]] = {}
+    for i in range(n_reqs):
+        arrivals.setdefault(int(torch.randint(0, 12, (1,), generator=g)), []).append(i)
+    got: dict[str, list[int]] = {}
+    step = 0
+    while step < 12 or core.has_unfinished():
+        for i in arrivals.get(step, []):
+            sp = dict(temperature=0.0 if i % 3 else 0.8, seed=i,
+                      max_tokens=int(torch.randint(1, 40, (1,), generator=g)), ignore_eos=True)
+            core.add_request(str(i), _prompt(g, i), SamplingParams(**(sp | sp_kw)))
+            got[str(i)] = []
+        for d in core.step():
+            got[d.request_id].extend(d.new_token_ids)
+        core.scheduler.check_integrity()
+        step += 1
+    assert core.block_manager.num_used_blocks == 0
+    return got
+
+
+@pytest.mark.parametrize("mode", ["eager", "ragged", "piecewise"])
+def test_spec_matches_plain_under_preemption(qwen3_dir, mode):
+    expected = _traffic(_engine(qwen3_dir, "eager"))
+    llm = _engine(qwen3_dir, mode, NGRAM)
+    assert _traffic(llm) == expected
+    st = llm.spec_stats()
+    assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
+    assert st["accepted_tokens"] < st["draft_tokens"]  # some drafts were rejected too
+    assert llm.stats().preemptions > 0  # the pool is tight enough to preempt
+    if mode != "eager":
+        gs = llm.graph_stats()
+        assert gs["checks"] > 0 and sum(gs["hits"].values()) > 0
+
+
+def test_spec_with_prefix_hits_and_n(qwen3_dir):
+    kw = dict(num_kv_blocks=40, enable_prefix_caching=True)
+    shared = [7, 8, 9, 10] * 9  # two full blocks shared by every prompt
+    prompts = [shared + [11 + i, 12, 13] * 3 for i in range(4)]
+    sps = [SamplingParams(temperature=t, seed=3, max_tokens=30, n=2, ignore_eos=True)
+           for t in (0.0, 0.7, 0.0, 0.7)]
+
+    def run(llm):
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        outs += llm.generate(prompts[:2], sps[:2], use_tqdm=False)  # cached prefixes
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    expected = run(_engine(qwen3_dir, "eager", **kw))
+    llm = _engine(qwen3_dir, "ragged", NGRAM, **kw)
+    assert run(llm) == expected
+    assert llm.stats().prefix_cache_hit_tokens > 0
+    assert llm.spec_stats()["accepted_tokens"] > 0
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(qwen3_dir):
+    prompt = [20, 21, 22, 23] * 6
+    plain = _engine(qwen3_dir, "eager", num_kv_blocks=40)
+    spec = _engine(qwen3_dir, "eager", NGRAM, num_kv_blocks=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == full
+    assert spec.spec_stats()["accepted_tokens"] >= 5  # verifies emit runs of tokens
+    cases = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+             for m in range(1, 14)]
+    cases += [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[t])
+              for t in dict.fromkeys(full[2:20])]
+    for sp in cases:
+        want = plain.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        got = spec.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.token_ids, want.finish_reason, want.stop_reason), sp
+    assert spec.engine.block_manager.num_used_blocks == 0
+
+
+def test_logprobs_match_plain(qwen3_dir):
+    prompt = [30, 31, 32] * 8
+    sp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
+    want = _engine(qwen3_dir, "eager").generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    llm = _engine(qwen3_dir, "eager", NGRAM)
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert (a.token_id, a.rank, a.top.keys()) == (b.token_id, b.rank, b.top.keys())
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        for t in a.top:
+            assert a.top[t] == pytest.approx(b.top[t], abs=1e-4)
+    assert llm.spec_stats()["accepted_tokens"] > 0
+
+
+def test_speculation_is_off_by_default(qwen3_dir):
+    llm = _engine(qwen3_dir, "eager")
+    llm.generate([[5, 6, 5, 6, 5, 6]], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert llm.spec_stats() == {} and llm.engine.drafter is None
+
+
+def test_start_up_refuses_drafts_the_top_tier_cannot_verify(qwen3_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 32}
+    with pytest.raises(ValueError, match=r"speculative_config\['num_speculative_tokens'\]=32"):
+        _engine(qwen3_dir, "ragged", spec)  # top tier 32 < 33
