@@ -2,8 +2,9 @@
 
 For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last ``n`` known
 tokens are searched for earlier in the request (prompt and output); the first ``n`` with a
-match wins, and among its matches the most recent one. The draft is what followed that
-match, up to the length asked; no match gives an empty draft.
+match wins, and among its matches the most recent one followed by at least the length
+asked (else the earliest, which has the longest continuation). The draft is what followed
+that match, up to the length asked; no match gives an empty draft.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[i
         windows = sliding_window_view(arr[: total - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            whole = hits[hits + n + k <= total]
+            start = int(whole[-1] if len(whole) else hits[0]) + n
             return arr[start: start + k].tolist()
     return []
 

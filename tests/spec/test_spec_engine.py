@@ -142,3 +142,38 @@ def test_start_up_refuses_drafts_the_top_tier_cannot_verify(qwen3_dir):
     spec = {"method": "ngram", "num_speculative_tokens": 32}
     with pytest.raises(ValueError, match=r"speculative_config\['num_speculative_tokens'\]=32"):
         _engine(qwen3_dir, "ragged", spec)  # top tier 32 < 33
+
+
+def test_stop_string_inside_an_accepted_run():
+    """A stop string completed by a token inside a verified run ends the output there, as
+    in plain decoding (the built-in model, with its tokenizer)."""
+    args = dict(num_kv_blocks=48, max_num_seqs=4, max_model_len=256, enforce_eager=True)
+    plain, spec = LLM("default", **args), LLM("default", speculative_config=NGRAM, **args)
+    prompt = "one two three one two three one two three one two"
+    sp = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base = plain.generate([prompt], SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    assert spec.generate([prompt], SamplingParams(**sp), use_tqdm=False)[0].outputs[0] \
+        .token_ids == base.token_ids
+    assert spec.spec_stats()["accepted_tokens"] > 0
+    tok = plain.get_tokenizer()
+    cut_inside_run = 0
+    # The output repeats, so a stop string taken from it matches at once: min_tokens moves
+    # the first position it may end at across the verified runs.
+    stop = tok.decode(base.token_ids[5: 6]).strip()
+    assert stop
+    for m in range(3, 16):
+        p = SamplingParams(**sp, stop=[stop], min_tokens=m)
+        want = plain.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        core = spec.engine
+        core.add_request("s", prompt, p)
+        got_ids, got_text, last = [], "", None
+        while core.has_unfinished():
+            for d in core.step():
+                got_ids += d.new_token_ids
+                got_text += d.new_text
+                last = d
+        assert (got_ids, got_text, last.finish_reason, last.stop_reason) == \
+            (want.token_ids, want.text, want.finish_reason, want.stop_reason), stop
+        assert core.block_manager.num_used_blocks == 0
+        cut_inside_run += core.spec_stats.accepted_tokens > 0 and len(last.new_token_ids) > 1
+    assert cut_inside_run > 0  # some stop string ended a multi-token verify

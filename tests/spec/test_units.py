@@ -56,8 +56,11 @@ def test_ngram_takes_the_longest_then_latest_match():
     toks = [1, 2, 3, 9, 5, 4, 3, 7, 8, 1, 2, 3]
     assert ngram_draft(toks, 2, 1, 3) == [9, 5]
     assert ngram_draft(toks, 2, 1, 1) == [7, 8]  # only 1-grams: the latest 3 is at 6
+    assert ngram_draft(toks, 6, 1, 1) == [9, 5, 4, 3, 7, 8]  # the latest with 6 tokens after
     assert ngram_draft(toks, 5, 4, 4) == []  # no earlier 4-gram match
-    assert ngram_draft([1, 2, 1, 2, 1], 10, 1, 2) == [2, 1]  # stops at the known tokens
+    # No match has k tokens after it: the earliest, whose continuation is the longest.
+    assert ngram_draft([1, 2, 1, 2, 1], 10, 1, 2) == [2, 1]
+    assert ngram_draft([7, 7, 7, 7], 4, 1, 1) == [7, 7, 7]
     assert ngram_draft([4, 4], 0, 1, 2) == [] and ngram_draft([4], 3, 1, 2) == []
 
     class R:
