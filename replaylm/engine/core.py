@@ -21,6 +21,7 @@ from replaylm.model.loader import default_model_weights
 from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
+from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
 from replaylm.spec.drafter import make_drafter
 from replaylm.spec.stats import SpecStats
 
@@ -119,6 +120,12 @@ class EngineCore:
         self.drafter = make_drafter(spec) if spec is not None else None
         self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
         self._overlap = args.overlap_scheduling and spec is None
+        self.budget = None
+        if spec is not None and spec.budget == "adaptive":
+            top = self.runner.policy.top_tier
+            tiers = self.runner.policy.token_tiers + [
+                t for t in eager_tiers(args.max_num_batched_tokens) if t > top]
+            self.budget = AdaptiveBudget(tiers)
         # Overlap scheduling: the launched step not yet resolved (its output and samples).
         self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
         # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
@@ -248,6 +255,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
+        t0 = time.perf_counter()
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None)
@@ -267,6 +275,10 @@ class EngineCore:
         else:
             resolve = launched
         deltas = self._resolve(*resolve) if resolve is not None else []
+        if self.budget is not None and launched is not None:  # resolved: the step's cost
+            self.budget.observe_step(dispatch.tier if dispatch.graphed
+                                     else self.budget.tier_of(out.num_batched_tokens),
+                                     time.perf_counter() - t0)
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -280,7 +292,9 @@ class EngineCore:
         if obs is not None:
             obs.waited(time.perf_counter() - t0)
         if self.spec_stats is not None:
-            self.spec_stats.record_resolve(out.scheduled, sampled)
+            for req, k, accepted in self.spec_stats.record_resolve(out.scheduled, sampled):
+                if self.budget is not None:
+                    self.budget.observe_verify(req, k, accepted)
         attach_logprobs(out, pending, sampled)
         changed = self.scheduler.update(out, sampled)
         return [self._delta(req) for req in changed]
@@ -301,6 +315,16 @@ class EngineCore:
         room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
         for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]
             r.draft_tokens = drafts
+        if self.budget is not None:
+            # The step's tokens without drafts, as the scheduler will likely lay them out:
+            # every running request's uncomputed tokens, then waiting prompts, in the budget.
+            sched = self.scheduler
+            base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+            base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            base = min(base, self.args.max_num_batched_tokens)
+            drafted = [r for r in reqs if r.draft_tokens]
+            self.budget.choose(drafted, max(base, 1))
+            self.spec_stats.budget_tokens += self.budget.last_choice  # type: ignore[union-attr]
 
     def _delta(self, req: Request) -> RequestDelta:
         delta = make_delta(req, self.outputs[req], self.scheduler)

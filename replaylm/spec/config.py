@@ -13,7 +13,7 @@ from typing import Any
 METHODS = ("ngram",)
 #: Methods the issue names that this engine does not run yet (a clear error, not a fallback).
 PLANNED_METHODS = ("draft_model",)
-BUDGETS = ("fixed",)
+BUDGETS = ("fixed", "adaptive")
 
 FIELD = "EngineArgs.speculative_config"
 
@@ -23,7 +23,8 @@ class SpecConfig:
     """``method``: the drafter. ``num_speculative_tokens``: most draft tokens a request
     verifies per step. ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes the
     ``ngram`` drafter matches. ``budget``: ``fixed`` drafts up to ``num_speculative_tokens``
-    whenever the drafter has them."""
+    whenever the drafter has them; ``adaptive`` chooses per step from measured step costs
+    and acceptance estimates (``spec.adaptive``)."""
 
     method: str
     num_speculative_tokens: int

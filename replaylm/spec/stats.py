@@ -18,6 +18,7 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts accepted
     verify_step_tokens: int = 0  # real tokens of verify steps
     verify_step_padded_tokens: int = 0  # the same steps' tokens as run (padded to a tier)
+    budget_tokens: int = 0  # adaptive budget: draft tokens it allowed, summed over steps
 
     def record_launch(self, scheduled: Sequence[Any], real: int, padded: int) -> None:
         self.steps += 1
@@ -30,16 +31,21 @@ class SpecStats:
         self.verify_step_tokens += real
         self.verify_step_padded_tokens += padded
 
-    def record_resolve(self, scheduled: Sequence[Any], sampled: Sequence[int]) -> None:
-        """Count accepted drafts: emitted rows past the first (non-emitted rows hold -1)."""
-        row = 0
+    def record_resolve(self, scheduled: Sequence[Any], sampled: Sequence[int]
+                       ) -> list[tuple[Any, int, int]]:
+        """Count accepted drafts: emitted rows past the first (non-emitted rows hold -1).
+        Returns ``(request, drafts, accepted)`` for each request that verified drafts."""
+        row, verified = 0, []
         for s in scheduled:
             if not s.sample:
                 continue
             k = len(s.drafts)
             if k:
-                self.accepted_tokens += sum(1 for t in sampled[row + 1: row + k + 1] if t >= 0)
+                a = sum(1 for t in sampled[row + 1: row + k + 1] if t >= 0)
+                self.accepted_tokens += a
+                verified.append((s.request, k, a))
             row += k + 1
+        return verified
 
     def as_dict(self) -> dict:
         v = max(1, self.verify_steps)
@@ -54,6 +60,8 @@ class SpecStats:
             "accepted_tokens": self.accepted_tokens,
             "draft_tokens_per_step": self.draft_tokens / v,
             "verify_tokens_per_step": self.verify_step_tokens / v,
+            "budget_tokens_per_step": self.budget_tokens / max(1, self.steps)
+            if self.budget == "adaptive" else self.num_speculative_tokens,
             "padded_waste": 1 - self.verify_step_tokens / self.verify_step_padded_tokens
             if self.verify_step_padded_tokens else 0.0,
         }

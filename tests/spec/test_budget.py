@@ -61,3 +61,32 @@ def test_matches_brute_force(seed):
                if base + sum(ks) <= tiers[-1])
     assert _rate(costs, base, alphas, got) == pytest.approx(best)
     assert _rate(costs, base, alphas, got) >= _rate(costs, base, alphas, [0] * n)
+
+
+class _Req:
+    def __init__(self, drafts):
+        self.draft_tokens = list(drafts)
+
+
+def test_adaptive_budget_learns_costs_and_acceptance():
+    from replaylm.spec.adaptive import PRIOR, AdaptiveBudget, eager_tiers
+
+    assert eager_tiers(40) == [1, 2, 4, 8, 16, 32, 40]
+    b = AdaptiveBudget([4, 8, 16])
+    reqs = [_Req([1, 2, 3]), _Req([4, 5])]
+    assert b.choose(reqs, 2) == [3, 2]  # nothing measured yet: drafts as proposed
+    b.observe_step(4, 1.0)
+    b.observe_step(4, 2.0)
+    assert b.costs[4] == pytest.approx(1.3)  # moving average
+    # Unmeasured tiers scale from the largest measured one below by the token ratio.
+    assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(2.6)),
+                             (16, pytest.approx(5.2))]
+    good, bad = _Req([1, 2, 3, 4]), _Req([5, 6, 7, 8])
+    for _ in range(10):
+        AdaptiveBudget.observe_verify(good, 4, 4)
+        AdaptiveBudget.observe_verify(bad, 4, 0)
+    assert good.spec_acceptance > 0.95 > PRIOR > 0.05 > bad.spec_acceptance
+    # Tier 4 holds 2 base tokens + 2 drafts at the same cost: both go to the good request;
+    # tier 8 costs twice as much, which the expected gains do not repay.
+    assert b.choose([good, bad], 2) == [2, 0]
+    assert good.draft_tokens == [1, 2] and bad.draft_tokens == [] and b.last_choice == 2

@@ -21,7 +21,7 @@ def qwen3_dir(tmp_path_factory):
 
 
 def _engine(path, mode, spec=None, **kw):
-    args = dict(num_kv_blocks=12, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128,
+    args = dict(num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128,
                 max_graph_tokens=32, skip_tokenizer_init=True, attention_backend="torch_dense",
                 speculative_config=spec)
     if mode == "eager":
@@ -177,3 +177,13 @@ def test_stop_string_inside_an_accepted_run():
         assert core.block_manager.num_used_blocks == 0
         cut_inside_run += core.spec_stats.accepted_tokens > 0 and len(last.new_token_ids) > 1
     assert cut_inside_run > 0  # some stop string ended a multi-token verify
+
+
+@pytest.mark.parametrize("mode", ["eager", "ragged"])
+def test_adaptive_budget_matches_plain(qwen3_dir, mode):
+    expected = _traffic(_engine(qwen3_dir, "eager"), seed=1, n_reqs=6)
+    llm = _engine(qwen3_dir, mode, NGRAM | {"budget": "adaptive"})
+    assert _traffic(llm, seed=1, n_reqs=6) == expected
+    st = llm.spec_stats()
+    assert st["budget"] == "adaptive" and st["verify_steps"] > 0
+    assert llm.engine.budget.costs  # step costs were measured
