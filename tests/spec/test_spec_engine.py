@@ -63,7 +63,7 @@ def _traffic(llm: LLM, seed: int = 0, n_reqs: int = 10, **sp_kw) -> dict[str, li
     return got
 
 
-@pytest.mark.parametrize("mode", ["eager", "ragged", "piecewise"])
+@pytest.mark.parametrize("mode", ["eager", "ragged", "piecewise", "full", "full_and_piecewise"])
 def test_spec_matches_plain_under_preemption(qwen3_dir, mode):
     expected = _traffic(_engine(qwen3_dir, "eager"))
     llm = _engine(qwen3_dir, mode, NGRAM)
