@@ -119,6 +119,7 @@ class EngineCore:
         spec = self.runner.spec
         self.drafter = make_drafter(spec) if spec is not None else None
         self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
+        self.stats.spec = self.spec_stats
         self._overlap = args.overlap_scheduling and spec is None
         self.budget = None
         if spec is not None and spec.budget == "adaptive":

@@ -187,3 +187,24 @@ def test_adaptive_budget_matches_plain(qwen3_dir, mode):
     st = llm.spec_stats()
     assert st["budget"] == "adaptive" and st["verify_steps"] > 0
     assert llm.engine.budget.costs  # step costs were measured
+
+
+def test_spec_stats_reach_the_metrics(qwen3_dir):
+    pytest.importorskip("prometheus_client")
+    from replaylm.server.metrics import ServerMetrics
+
+    llm = _engine(qwen3_dir, "eager", NGRAM)
+    llm.generate([[40, 41, 42] * 6], SamplingParams(temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)
+    values = {}
+    for line in ServerMetrics(llm.engine.stats, lambda: 0).render().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    st = llm.spec_stats()
+    assert values["replaylm_spec_accepted_tokens_total"] == st["accepted_tokens"] > 0
+    assert values["replaylm_spec_mean_accepted_length"] == pytest.approx(
+        st["mean_accepted_length"])
+    assert llm.stats().as_dict()["spec"]["draft_tokens"] == st["draft_tokens"]
+    plain = ServerMetrics(_engine(qwen3_dir, "eager").engine.stats, lambda: 0).render()
+    assert b"replaylm_spec_" not in plain
