@@ -78,7 +78,10 @@ class ModelRunner:
         self.spec = (SpecConfig.from_dict(args.speculative_config)
                      if args.speculative_config is not None else None)
         if self.spec is not None:
-            self.spec.check_fits(args.max_num_batched_tokens, self.policy.top_tier)
+            # Verify steps run through the token tiers (``full`` graphs serve only uniform
+            # decode: its verifies run eagerly, bounded by the step budget alone).
+            self.spec.check_fits(args.max_num_batched_tokens,
+                                 max(self.policy.token_tiers, default=0))
         # Sampled rows per request in one step: k + 1 when verifying k drafts.
         self.rows_per_req = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)

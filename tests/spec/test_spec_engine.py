@@ -208,3 +208,16 @@ def test_spec_stats_reach_the_metrics(qwen3_dir):
     assert llm.stats().as_dict()["spec"]["draft_tokens"] == st["draft_tokens"]
     plain = ServerMetrics(_engine(qwen3_dir, "eager").engine.stats, lambda: 0).render()
     assert b"replaylm_spec_" not in plain
+
+
+def test_full_mode_verifies_eagerly_whatever_its_decode_tiers(qwen3_dir):
+    # One request slot: full graphs stop at batch 1, yet 4 drafts verify (eagerly).
+    llm = _engine(qwen3_dir, "full", NGRAM, max_num_seqs=1)
+    out = llm.generate([[50, 51] * 8], SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True), use_tqdm=False)
+    want = _engine(qwen3_dir, "eager", max_num_seqs=1).generate(
+        [[50, 51] * 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert llm.spec_stats()["verify_steps"] > 0
+    assert "not a uniform decode batch" in llm.graph_stats()["fallbacks"]
