@@ -121,6 +121,7 @@ class EngineCore:
         self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
         self.stats.spec = self.spec_stats
         self._overlap = args.overlap_scheduling and spec is None
+        self._samples_at = 0.0
         self.budget = None
         if spec is not None and spec.budget == "adaptive":
             top = self.runner.policy.top_tier
@@ -279,7 +280,7 @@ class EngineCore:
         if self.budget is not None and launched is not None:  # resolved: the step's cost
             self.budget.observe_step(dispatch.tier if dispatch.graphed
                                      else self.budget.tier_of(out.num_batched_tokens),
-                                     time.perf_counter() - t0)
+                                     self._samples_at - t0)
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -290,6 +291,7 @@ class EngineCore:
         obs = self.step_observer
         t0 = time.perf_counter() if obs is not None else 0.0
         sampled = pending.tokens() if pending is not None else []
+        self._samples_at = time.perf_counter()  # launch to samples: the adaptive budget's cost
         if obs is not None:
             obs.waited(time.perf_counter() - t0)
         if self.spec_stats is not None:
