@@ -68,6 +68,11 @@ class HostBatch:
     logits_indices: np.ndarray  # [L] int64
     sample_slots: np.ndarray  # [L] int64
     sample_out_pos: np.ndarray  # [L] int64
+    # Verify steps only (some request verifies drafts, so it samples k + 1 rows): per sampled
+    # row, the draft its sample must equal for the request to go on (-1 on a request's last
+    # row), and the request's first sampled row (``spec.acceptance.emitted_rows``).
+    draft_next: np.ndarray | None = None  # [L] int64
+    seg_start: np.ndarray | None = None  # [L] int64
 
     @property
     def num_tokens(self) -> int:

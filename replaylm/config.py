@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from replaylm.graphs.policy import GRAPH_MODES
+from replaylm.spec.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -62,6 +64,8 @@ _HELP: dict[str, str] = {
     "attention with the model); 0 = never",
     "max_stop_strings": "most stop strings a request may give",
     "max_stop_string_length": "longest stop string a request may give, in characters",
+    "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
+    "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} (default: off)",
 }
 
 
@@ -99,6 +103,7 @@ class EngineArgs:
     rope_in_attention_max_reqs: int = 1
     max_stop_strings: int = 32
     max_stop_string_length: int = 256
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -119,6 +124,8 @@ class EngineArgs:
             _positive("max_graphs", self.max_graphs)
         _non_negative("graph_check", self.graph_check)
         _non_negative("rope_in_attention_max_reqs", self.rope_in_attention_max_reqs)
+        if self.speculative_config is not None:
+            SpecConfig.from_dict(self.speculative_config)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -168,8 +175,21 @@ class EngineArgs:
         return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
 
-def _cli_type(annotation: Any) -> type:
+def _json_dict(text: str) -> dict:
+    """A CLI value given as a JSON object (``--speculative-config '{...}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _cli_type(annotation: Any) -> Any:
     text = str(annotation)
+    if "dict" in text:
+        return _json_dict
     if "int" in text:
         return int
     if "float" in text:

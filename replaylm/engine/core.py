@@ -21,6 +21,9 @@ from replaylm.model.loader import default_model_weights
 from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
+from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
+from replaylm.spec.drafter import make_drafter
+from replaylm.spec.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,21 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}
         self.outputs: dict[Request, OutputState] = {}
         self._arrivals = itertools.count()
+        # Speculative decoding (``speculative_config``): the drafter and its counters. Steps
+        # then resolve before the next is built (no overlap): the next step's input is the
+        # last token each verify emitted, known on the host only after acceptance.
+        spec = self.runner.spec
+        self.drafter = make_drafter(spec) if spec is not None else None
+        self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
+        self.stats.spec = self.spec_stats
+        self._overlap = args.overlap_scheduling and spec is None
+        self._samples_at = 0.0
+        self.budget = None
+        if spec is not None and spec.budget == "adaptive":
+            top = self.runner.policy.top_tier
+            tiers = self.runner.policy.token_tiers + [
+                t for t in eager_tiers(args.max_num_batched_tokens) if t > top]
+            self.budget = AdaptiveBudget(tiers)
         # Overlap scheduling: the launched step not yet resolved (its output and samples).
         self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
         # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
@@ -244,10 +262,13 @@ class EngineCore:
         obs = self.step_observer
         if obs is not None:
             obs.begin()
+        if self.drafter is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
         errors: list[RequestDelta] = []
+        t0 = time.perf_counter()
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None)
@@ -260,12 +281,18 @@ class EngineCore:
                 padded_tokens=padded, num_reqs=len(out.scheduled),
                 fallback_reason=dispatch.reason,
             ))
+            if self.spec_stats is not None:
+                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded)
             launched = (out, pending)
-        if self.args.overlap_scheduling:
+        if self._overlap:
             resolve, self._inflight = self._inflight, launched
         else:
             resolve = launched
         deltas = errors + (self._resolve(*resolve) if resolve is not None else [])
+        if self.budget is not None and launched is not None:  # resolved: the step's cost
+            self.budget.observe_step(dispatch.tier if dispatch.graphed
+                                     else self.budget.tier_of(out.num_batched_tokens),
+                                     self._samples_at - t0)
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -276,9 +303,14 @@ class EngineCore:
         obs = self.step_observer
         t0 = time.perf_counter() if obs is not None else 0.0
         sampled = pending.tokens() if pending is not None else []
+        self._samples_at = time.perf_counter()  # launch to samples: the adaptive budget's cost
         if obs is not None:
             obs.waited(time.perf_counter() - t0)
-        attach_logprobs(out, pending)
+        if self.spec_stats is not None:
+            for req, k, accepted in self.spec_stats.record_resolve(out.scheduled, sampled):
+                if self.budget is not None:
+                    self.budget.observe_verify(req, k, accepted)
+        attach_logprobs(out, pending, sampled)
         changed = self.scheduler.update(out, sampled)
         deltas = []
         for req in changed:
@@ -290,6 +322,33 @@ class EngineCore:
             self.stats.generated_tokens += len(delta.new_token_ids)
             deltas.append(self._delta(req, delta))
         return deltas
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
+
+        Requests with penalties get none: their penalties count the outputs before each
+        sampled row, and the rows of a verify would not see the drafts before them.
+        """
+        k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
+        reqs = []
+        for r in self.scheduler.running:
+            r.draft_tokens = []
+            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens \
+                    and not r.sampling_params.uses_penalties:
+                reqs.append(r)
+        room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+        for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]
+            r.draft_tokens = drafts
+        if self.budget is not None:
+            # The step's tokens without drafts, as the scheduler will likely lay them out:
+            # every running request's uncomputed tokens, then waiting prompts, in the budget.
+            sched = self.scheduler
+            base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+            base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            base = min(base, self.args.max_num_batched_tokens)
+            drafted = [r for r in reqs if r.draft_tokens]
+            self.budget.choose(drafted, max(base, 1))
+            self.spec_stats.budget_tokens += self.budget.last_choice  # type: ignore[union-attr]
 
     def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:

@@ -60,6 +60,13 @@ class LLM:
         capture seconds and graph memory."""
         return self.engine.runner.graphs.stats.as_dict()
 
+    def spec_stats(self) -> dict:
+        """Speculative decoding: ``mean_accepted_length`` (accepted drafts per request per
+        verify), ``acceptance_rate``, draft and verify tokens per verify step, the padded
+        share of verify steps (``padded_waste``) and the budget; ``{}`` when it is off."""
+        s = self.engine.spec_stats
+        return s.as_dict() if s is not None else {}
+
     def chat(
         self,
         messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],

@@ -25,6 +25,8 @@ from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
+from replaylm.spec.acceptance import emitted_rows
+from replaylm.spec.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,15 @@ class ModelRunner:
             max_num_batched_tokens=args.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
+        self.spec = (SpecConfig.from_dict(args.speculative_config)
+                     if args.speculative_config is not None else None)
+        if self.spec is not None:
+            # Verify steps run through the token tiers (``full`` graphs serve only uniform
+            # decode: its verifies run eagerly, bounded by the step budget alone).
+            self.spec.check_fits(args.max_num_batched_tokens,
+                                 max(self.policy.token_tiers, default=0))
+        # Sampled rows per request in one step: k + 1 when verifying k drafts.
+        self.rows_per_req = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         t0 = time.perf_counter()
@@ -86,7 +97,8 @@ class ModelRunner:
         self.model.rope_in_attention_max_reqs = (
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
-        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device)
+        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device,
+                                   max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)
@@ -101,7 +113,7 @@ class ModelRunner:
             max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
             host_attn_lengths=not self.attn.graph_safe,
             eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
-            graph_check=args.graph_check,
+            graph_check=args.graph_check, rows_per_req=self.rows_per_req,
         )
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
@@ -198,7 +210,8 @@ class ModelRunner:
         acts = profile_peak * min(1.0, top / profiled)
         static = GraphRuntime.estimate_static_bytes(
             self.policy, vocab_size=self.cfg.vocab_size, q_size=self.cfg.q_size,
-            dtype=self.dtype, max_num_seqs=self.args.max_num_seqs)
+            dtype=self.dtype, max_num_seqs=self.args.max_num_seqs,
+            rows_per_req=self.rows_per_req)
         return int(acts + static + 64 * 2**20)
 
     @torch.inference_mode()
@@ -222,7 +235,7 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)
         hidden = self.model(ids, pos, meta)
-        self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs * self.rows_per_req):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del caches, hidden
@@ -264,8 +277,15 @@ class ModelRunner:
             return None, dispatch, padded
         slots = batch.sample_slots[:n]
         # Penalties, logit_bias, min_p, min_tokens and logprobs (when asked) then sampling.
+        host_view = None
+        if host.draft_next is not None:  # a verify: rows past a rejected draft read -1
+            draft_next = torch.from_numpy(host.draft_next).to(self.device, non_blocking=True)
+            seg_start = torch.from_numpy(host.seg_start).to(self.device, non_blocking=True)
+
+            def host_view(tokens: torch.Tensor) -> torch.Tensor:
+                return torch.where(emitted_rows(tokens, draft_next, seg_start), tokens, -1)
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
-                                   host.sample_slots.tolist(), plan, greedy)
+                                   host.sample_slots.tolist(), plan, greedy, host_view)
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded

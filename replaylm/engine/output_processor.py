@@ -28,22 +28,28 @@ class OutputState:
         return self.stop.text
 
 
-def attach_logprobs(out: SchedulerOutput, pending: PendingStep | None) -> None:
+def attach_logprobs(out: SchedulerOutput, pending: PendingStep | None,
+                    tokens: list[int]) -> None:
     """Store a step's logprobs on the requests; call before ``Scheduler.update``.
 
     Only running requests get them: exactly those whose sampled token ``update`` will append.
+    ``tokens`` are the step's sampled rows; a verify's rows past its emitted ones hold -1 and
+    get no logprobs (``make_delta`` drops those of tokens cut by a stop inside the run).
     """
     if pending is None:
         return
     sampled = pending.sampled_logprobs()
     if sampled is not None:
-        rows = iter(sampled)
+        row = 0
         for s in out.scheduled:
             if not s.sample:
                 continue
-            lp = next(rows)
-            if lp is not None and s.request.status is RequestStatus.RUNNING:
-                s.request.output_logprobs.append(lp)
+            for j in range(row, row + len(s.drafts) + 1):
+                lp = sampled[j]
+                if lp is not None and tokens[j] >= 0 \
+                        and s.request.status is RequestStatus.RUNNING:
+                    s.request.output_logprobs.append(lp)
+            row += len(s.drafts) + 1
     plan_rows = iter(pending.prompt_logprob_rows())
     for req, count in pending.prompt_spans or []:
         got = [next(plan_rows) for _ in range(count)]
@@ -54,15 +60,29 @@ def attach_logprobs(out: SchedulerOutput, pending: PendingStep | None) -> None:
 def make_delta(req: Request, state: OutputState, scheduler: Scheduler) -> RequestDelta:
     """The delta for ``req`` after a step that gave it a token (or finished it)."""
     params = req.sampling_params
-    new_ids = req.output_token_ids[state.sent_tokens:]
-    logprobs = req.output_logprobs[state.sent_tokens:] if params.logprobs is not None else None
+    sent = state.sent_tokens
+    new_ids = req.output_token_ids[sent:]
+    # Several new tokens (a verify's accepted run) go through the stop strings one at a
+    # time, so a stop string inside the run ends the output at the token that completes it.
+    pieces = [new_ids] if len(new_ids) <= 1 else [[t] for t in new_ids]
+    released, count = "", sent
+    for j, piece in enumerate(pieces):
+        count += len(piece)
+        text = state.detok.step(piece)
+        if req.is_finished and j == len(pieces) - 1:
+            text += state.detok.flush()
+        # Stop strings count once more than min_tokens tokens exist (vLLM's rule; EOS and
+        # stop ids are masked for the first min_tokens tokens, so the two agree).
+        released += state.stop.push(text, check=count > params.min_tokens)
+        if state.stop.matched is not None:
+            break
+    if count < req.num_output_tokens:  # a stop string cut the run: drop what followed it
+        del req.output_token_ids[count:]
+        new_ids = new_ids[: count - sent]
+    if len(req.output_logprobs) > req.num_output_tokens:  # a stop inside a verified run
+        del req.output_logprobs[req.num_output_tokens:]
+    logprobs = req.output_logprobs[sent:] if params.logprobs is not None else None
     state.sent_tokens = req.num_output_tokens
-    text = state.detok.step(new_ids)
-    if req.is_finished:
-        text += state.detok.flush()
-    # Stop strings count once more than min_tokens tokens exist (vLLM's rule; EOS and stop ids
-    # are masked for the first min_tokens tokens, so the two agree).
-    released = state.stop.push(text, check=req.num_output_tokens > params.min_tokens)
     if state.stop.matched is not None:
         if not req.is_finished:
             scheduler.finish(req, RequestStatus.FINISHED_STOPPED)

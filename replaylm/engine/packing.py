@@ -33,13 +33,21 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
     logits_idx: list[int] = []
     sample_slots: list[int] = []
     out_pos: list[int] = []
+    draft_next: list[int] = []
+    seg_start: list[int] = []
+    verify = False
     # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
     # loop is per-step host time, and small numpy arrays per request cost more than they save.
     for sr in out.scheduled:
         req, start, n = sr.request, sr.start, sr.num_new_tokens
         base = len(ids)
         end = start + n
-        ids.extend(req.token_slice(start, end))
+        drafts = sr.drafts
+        if drafts:  # a verify: the last known token, then the drafts (past the known tokens)
+            ids.extend(req.token_slice(start, end - len(drafts)))
+            ids.extend(drafts)
+        else:
+            ids.extend(req.token_slice(start, end))
         last_out = req.num_tokens - 1
         if last_out >= req.num_prompt_tokens and start <= last_out < end \
                 and req.device_token_slot == req.slot:
@@ -64,11 +72,26 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
         cu.append(len(ids))
         kv_lens.append(end)
         req_slots.append(req.slot)
-        if sr.sample:
+        if sr.sample and drafts:
+            # k + 1 rows sample output positions num_generated .. + k; the request's next
+            # input is resolved on the host (its last_token entry holds any of the rows).
+            verify = True
+            req.device_token_slot = -1
+            k = len(drafts)
+            first = len(logits_idx)
+            logits_idx.extend(range(len(ids) - k - 1, len(ids)))
+            sample_slots.extend([req.slot] * (k + 1))
+            out_pos.extend(range(req.num_generated, req.num_generated + k + 1))
+            draft_next.extend(drafts)
+            draft_next.append(-1)
+            seg_start.extend([first] * (k + 1))
+        elif sr.sample:
             req.device_token_slot = req.slot  # the sampler writes last_token[slot]
+            seg_start.append(len(logits_idx))
             logits_idx.append(len(ids) - 1)
             sample_slots.append(req.slot)
             out_pos.append(req.num_generated)
+            draft_next.append(-1)
     i64, i32 = np.int64, np.int32
     return HostBatch(
         input_ids=np.asarray(ids, dtype=i64),
@@ -84,4 +107,6 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
         logits_indices=np.asarray(logits_idx, dtype=i64),
         sample_slots=np.asarray(sample_slots, dtype=i64),
         sample_out_pos=np.asarray(out_pos, dtype=i64),
+        draft_next=np.asarray(draft_next, dtype=i64) if verify else None,
+        seg_start=np.asarray(seg_start, dtype=i64) if verify else None,
     )

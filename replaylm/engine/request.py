@@ -94,6 +94,9 @@ class Request:
         self.block_hashes: list[tuple[int, int]] = []  # (chain hash, cache entry serial)
         self.stop_reason: int | str | None = None  # the stop token or string that ended it
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        # Speculative decoding: the drafter's proposal for the next step (the scheduler
+        # verifies what fits); empty when speculation is off or nothing was proposed.
+        self.draft_tokens: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

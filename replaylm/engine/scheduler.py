@@ -26,6 +26,9 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int  # request.num_computed_tokens at schedule time
     sample: bool  # the run reaches the last known token, so the step samples one token
+    # Speculative decoding: draft tokens verified after the last known token (they are the
+    # run's last ``len(drafts)`` tokens); the step then samples ``len(drafts) + 1`` rows.
+    drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -45,7 +48,8 @@ class SchedulerOutput:
 
     @property
     def num_sampled(self) -> int:
-        return sum(1 for s in self.scheduled if s.sample)
+        """Sampled rows: one per sampling request, ``k + 1`` for one verifying ``k`` drafts."""
+        return sum(1 + len(s.drafts) for s in self.scheduled if s.sample)
 
     @property
     def is_empty(self) -> bool:
@@ -167,6 +171,10 @@ class Scheduler:
                     i += 1  # an unsplittable prefill waits; later decodes may still fit
                     continue
                 n = budget
+            drafts = self._drafts(req, n, budget)
+            if drafts and not bm.allocate(req, req.num_computed_tokens + n + len(drafts)):
+                drafts = []  # drafts never preempt anyone: verify without them
+            n += len(drafts)
             while not bm.allocate(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim.inflight:
@@ -178,7 +186,7 @@ class Scheduler:
                     break
             if out.blocked or req.status is not RequestStatus.RUNNING:
                 break  # blocked, or req was the last running request and preempted itself
-            out.scheduled.append(self._scheduled(req, n))
+            out.scheduled.append(self._scheduled(req, n, drafts))
             budget -= n
             i += 1
 
@@ -229,14 +237,23 @@ class Scheduler:
             raise ValueError(
                 f"update: got {len(sampled)} sampled tokens, expected {out.num_sampled}"
             )
-        tokens = iter(sampled)
         changed: list[Request] = []
+        row = 0
         for s in out.scheduled:
-            token = next(tokens) if s.sample else None  # consume in order even when skipping
+            # Consume rows in order even when skipping. A verify's rows past the emitted ones
+            # hold -1 (``spec.acceptance``): its rejected drafts' K/V are rolled back below.
+            emitted: list[int] = []
+            if s.sample:
+                k = len(s.drafts)
+                emitted = [t for t in sampled[row: row + k + 1] if t >= 0]
+                row += k + 1
+            token = emitted[0] if emitted else None
             req = s.request
             req.inflight -= 1
-            if token is not None:
+            if s.sample:
                 req.num_pending -= 1
+                if s.drafts:  # keep the K/V of the accepted drafts only
+                    req.num_computed_tokens -= len(s.drafts) - (len(emitted) - 1)
             if req.status is not RequestStatus.RUNNING:
                 if req.inflight == 0 and req in self._parked:
                     self._parked.remove(req)
@@ -245,10 +262,12 @@ class Scheduler:
             self.block_manager.register(req)  # before any finish frees (and caches) the blocks
             if token is None:
                 continue
-            req.output_token_ids.append(token)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self.finish(req, status)
+            for token in emitted:  # a stop inside an accepted run ends the request there
+                req.output_token_ids.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self.finish(req, status)
+                    break
             changed.append(req)
         return changed
 
@@ -273,9 +292,22 @@ class Scheduler:
             assert r.slot == -1, f"waiting {r!r} holds a slot"
         self.block_manager.check_integrity([*self.running, *self.waiting, *self._parked])
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None
+                   ) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, n, start, sample=start + n == req.num_tokens)
+        drafts = drafts or []
+        return ScheduledRequest(req, n, start, sample=start + n - len(drafts) == req.num_tokens,
+                                drafts=drafts)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts ``req`` verifies this step: only on a decode step (one token to
+        compute), within the token budget, and never past ``max_tokens`` or
+        ``max_model_len`` (the verify emits up to ``k + 1`` tokens)."""
+        if n != 1 or not req.draft_tokens or req.num_pending:
+            return []
+        k = min(len(req.draft_tokens), budget - 1, req.max_tokens - req.num_generated - 1,
+                self.max_model_len - req.num_tokens - 1)
+        return req.draft_tokens[:k] if k > 0 else []
 
     @staticmethod
     def _waits_for_leader(req: Request) -> bool:

@@ -40,6 +40,7 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_cache_evictions: int = 0
     graphs: object | None = None  # the graph runtime's GraphStats (hits, padding, capture)
+    spec: object | None = None  # speculative decoding's SpecStats (None: speculation off)
 
     def record_step(self, rec: StepRecord) -> None:
         self.steps += 1
@@ -60,4 +61,6 @@ class EngineStats:
         d["prefix_cache_hit_rate"] = round(self.prefix_cache_hit_rate, 4)
         if self.graphs is not None:
             d["graphs"] = self.graphs.as_dict()
+        if self.spec is not None:
+            d["spec"] = self.spec.as_dict()
         return d

@@ -43,12 +43,16 @@ class _Region:
 class StaticBuffers:
     """Device inputs for steps of up to ``max_tokens`` tokens and ``max_reqs`` requests.
 
-    ``max_num_seqs`` (S) is the number of request slots of the engine.
+    ``max_num_seqs`` (S) is the number of request slots of the engine; ``max_logits`` the
+    most sampled rows of a step (``max_reqs`` unless a verify step samples several rows per
+    request).
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, max_num_seqs: int, max_blocks: int,
-                 device: torch.device, max_kv_len: int) -> None:
+                 device: torch.device, max_kv_len: int, max_logits: int | None = None) -> None:
         self.max_tokens, self.max_reqs, self.max_kv_len = max_tokens, max_reqs, max_kv_len
+        self.max_logits = max_reqs if max_logits is None else max_logits
+        n_l = self.max_logits
         self.num_slots = max_num_seqs
         self.scratch_slot = max_num_seqs
         self.max_blocks = max_blocks
@@ -61,8 +65,8 @@ class StaticBuffers:
         offset = s1
         regions: dict[str, _Region] = {}
         for name, size in (("host_ids", t), ("gather", t), ("positions", t),
-                           ("slot_mapping", t), ("logits_indices", r), ("sample_slots", r),
-                           ("sample_out_pos", r)):
+                           ("slot_mapping", t), ("logits_indices", n_l), ("sample_slots", n_l),
+                           ("sample_out_pos", n_l)):
             regions[name] = _Region(offset, size, int32=False)
             offset += size
         i32_start = 2 * offset
@@ -122,7 +126,8 @@ class StaticBuffers:
         self.sample_slots.fill_(self.scratch_slot)
 
     def fits(self, host: HostBatch) -> bool:
-        return host.num_tokens <= self.max_tokens and host.num_reqs <= self.max_reqs
+        return host.num_tokens <= self.max_tokens and host.num_reqs <= self.max_reqs \
+            and host.num_sampled <= self.max_logits
 
     def view(self, num_tokens: int, num_reqs: int, num_logits: int, max_q_len: int,
              max_kv_len: int | None = None) -> ForwardBatch:
@@ -182,7 +187,7 @@ class StaticBuffers:
         """Stage a real batch, padded up to the given sizes, and copy it to the device."""
         t, b, n_l = host.num_tokens, host.num_reqs, host.num_sampled
         assert t <= num_tokens <= self.max_tokens and b <= num_reqs <= self.max_reqs
-        assert n_l <= num_logits <= self.max_reqs
+        assert n_l <= num_logits <= self.max_logits
         stage = self._stages[self._flip]
         self._flip ^= 1
         a64 = stage.numpy()

@@ -76,7 +76,8 @@ class GraphRuntime:
 
     def __init__(self, model: CausalLM, policy: GraphPolicy, device: torch.device, *,
                  max_num_seqs: int, max_blocks: int, max_model_len: int,
-                 host_attn_lengths: bool, eager_tokens: int, graph_check: int = 0) -> None:
+                 host_attn_lengths: bool, eager_tokens: int, graph_check: int = 0,
+                 rows_per_req: int = 1) -> None:
         self.model, self.policy, self.device = model, policy, device
         self.mode = policy.mode
         self.host_attn_lengths = host_attn_lengths
@@ -86,8 +87,11 @@ class GraphRuntime:
         top = policy.top_tier
         # Eager steps up to ``eager_tokens`` also run on the static buffers (one copy in).
         top_tokens = max(top, eager_tokens)
+        # ``rows_per_req``: sampled rows a request may have in one step (k + 1 to verify k
+        # drafts); the logits rows are sized by it, up to the token count.
         self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_num_seqs,
-                                     max_blocks, device, max_model_len)
+                                     max_blocks, device, max_model_len,
+                                     max_logits=min(top_tokens, max_num_seqs * rows_per_req))
         self.last_token = self.buffers.last_token
         self.whole = (WholeModelGraphs(model, self.buffers, max_num_seqs, top)
                       if policy.uses_whole else None)
@@ -96,12 +100,13 @@ class GraphRuntime:
 
     @staticmethod
     def estimate_static_bytes(policy: GraphPolicy, *, vocab_size: int, q_size: int,
-                              dtype: torch.dtype, max_num_seqs: int) -> int:
+                              dtype: torch.dtype, max_num_seqs: int,
+                              rows_per_req: int = 1) -> int:
         """Static memory the runners will add for ``policy`` (reserved before the KV pool is
         sized, with the graphs' activation pool)."""
         top, total = policy.top_tier, 0
         if policy.uses_whole:
-            total += WholeModelGraphs.static_bytes(vocab_size, top, max_num_seqs)
+            total += WholeModelGraphs.static_bytes(vocab_size, top, max_num_seqs * rows_per_req)
         if policy.uses_piecewise:
             total += PiecewiseGraphs.static_bytes(q_size, top, dtype)
         return total

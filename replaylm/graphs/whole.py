@@ -39,17 +39,20 @@ class WholeModelGraphs:
     def __init__(self, model: CausalLM, buffers: StaticBuffers, max_num_seqs: int,
                  top_tier: int) -> None:
         self.model, self.buffers, self.max_num_seqs = model, buffers, max_num_seqs
+        # Logits rows of a ragged graph: one per request slot, or more when verify steps
+        # sample several rows per request (``buffers.max_logits``); never above the tier.
+        self.max_logits = buffers.max_logits
         # One logits output shared by every graph (each keeping its own [rows, vocab] output
         # would cost gigabytes across the tiers).
         weight = model.embed_tokens.weight
-        self.logits_buf = torch.zeros(min(top_tier, max_num_seqs), model.cfg.vocab_size,
+        self.logits_buf = torch.zeros(min(top_tier, self.max_logits), model.cfg.vocab_size,
                                       dtype=weight.dtype, device=weight.device)
         self.graphs: dict[tuple[str, int], Graph] = {}
 
     @staticmethod
-    def static_bytes(vocab_size: int, top_tier: int, max_num_seqs: int) -> int:
+    def static_bytes(vocab_size: int, top_tier: int, max_logits: int) -> int:
         """Upper bound of the static memory this runner adds: the shared logits buffer."""
-        return min(top_tier, max_num_seqs) * vocab_size * 4
+        return min(top_tier, max_logits) * vocab_size * 4
 
     def getters(self) -> dict[str, object]:
         return {"logits_buf": lambda: self.logits_buf}
@@ -58,7 +61,7 @@ class WholeModelGraphs:
         if mode == "full":
             return self.buffers.view(tier, tier, tier, max_q_len=1)
         slots = min(tier, self.max_num_seqs)
-        return self.buffers.view(tier, slots, slots, max_q_len=tier)
+        return self.buffers.view(tier, slots, min(tier, self.max_logits), max_q_len=tier)
 
     def capture(self, mode: str, tier: int, graph: Graph) -> int | None:
         """Capture the step of ``mode``'s ``tier`` into ``graph``; returns its node count."""

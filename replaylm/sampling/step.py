@@ -8,6 +8,7 @@ host-side per-slot mirrors, so a batch that uses none of them runs the plain ``s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +78,8 @@ class StepSampler:
     """Per-slot device state for sampling (``SamplingState``, ``LogitsProcessorState``) and the
     host-side logprob settings, plus the per-step sampling tail."""
 
-    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device,
+                 max_rows: int | None = None) -> None:
         self.device = device
         self.state = SamplingState(max_num_seqs, device, vocab_size)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
@@ -86,7 +88,8 @@ class StepSampler:
         # about as much as a small model's whole step. With overlap scheduling step N+1 is
         # launched before step N's tokens are read on the host, so N+1 must copy elsewhere.
         cuda = device.type == "cuda"
-        self._pinned = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=True)
+        rows = max_num_seqs if max_rows is None else max_rows  # sampled rows per step
+        self._pinned = [torch.empty(rows, dtype=torch.int64, pin_memory=True)
                         for _ in range(2)] if cuda else []
         self._ready = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self._flip = 0
@@ -126,13 +129,15 @@ class StepSampler:
 
     def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
             slots_cpu: list[int], plan: PromptLogprobPlan | None,
-            greedy: torch.Tensor | None = None) -> PendingStep:
+            greedy: torch.Tensor | None = None,
+            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingStep:
         """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
 
         ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
         batch of greedy requests with no logit processing takes it as is, with no kernel here.
         Returns the step's results with their host copies started (CUDA: pinned memory,
-        non-blocking, one event recorded after all of them).
+        non-blocking, one event recorded after all of them). ``host_view``, when given, maps
+        the sampled tokens to what the host receives (a verify step's acceptance).
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
@@ -162,11 +167,12 @@ class StepSampler:
         pin = self.device.type == "cuda"
         # Off CUDA there is no copy to the host: keep a snapshot, since ``tokens`` may be a
         # graph's output that the next step (launched before this one is read) overwrites.
-        host_tokens = tokens if pin else tokens.clone()
+        shown = tokens if host_view is None else host_view(tokens)
+        host_tokens = shown if pin else shown.clone()
         event = None
         if pin:
             host_tokens = self._pinned[self._flip][: tokens.shape[0]]
-            host_tokens.copy_(tokens, non_blocking=True)
+            host_tokens.copy_(shown, non_blocking=True)
         if sample_lp is not None:
             sample_lp = sample_lp.to_host(pin)
         if prompt_lp is not None:

@@ -50,6 +50,7 @@ class _EngineStatsCollector(Collector):
             steps.add_metric([mode], n)
         yield steps
         yield from _graph_metrics(getattr(s, "graphs", None))
+        yield from _spec_metrics(getattr(s, "spec", None))
         mode = GaugeMetricFamily("replaylm_graph_mode", "configured graph mode (value 1)",
                                  labels=["mode"])
         mode.add_metric([str(s.graph_mode)], 1)
@@ -89,6 +90,24 @@ def _graph_metrics(g: Any) -> Iterator[Metric]:
                               "padding tokens added to fill graph tiers", value=max(0, padded - real))
     yield GaugeMetricFamily("replaylm_cuda_graphs", "CUDA graphs captured",
                             value=getattr(g, "num_graphs", 0))
+
+
+def _spec_metrics(sp: Any) -> Iterator[Metric]:
+    """Speculative decoding's counters (``spec.stats.SpecStats``); none when it is off."""
+    if sp is None:
+        return
+    d = sp.as_dict()
+    for name, doc in (("verify_steps", "steps in which some request verified drafts"),
+                      ("draft_tokens", "draft tokens verified"),
+                      ("accepted_tokens", "draft tokens accepted")):
+        yield CounterMetricFamily(f"replaylm_spec_{name}", doc, value=d[name])
+    for name, doc in (("mean_accepted_length", "accepted drafts per request per verify"),
+                      ("acceptance_rate", "share of verified drafts accepted"),
+                      ("draft_tokens_per_step", "draft tokens per verify step"),
+                      ("verify_tokens_per_step", "tokens per verify step"),
+                      ("padded_waste", "padded share of verify steps' tokens"),
+                      ("budget_tokens_per_step", "draft tokens the budget allows per step")):
+        yield GaugeMetricFamily(f"replaylm_spec_{name}", doc, value=d[name])
 
 
 class ServerMetrics:

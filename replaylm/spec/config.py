@@ -1,0 +1,81 @@
+"""``EngineArgs.speculative_config``: parsed and validated once, at start-up.
+
+The field is a dict (JSON on the CLI), as vLLM users write it:
+``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``. Every error
+names the field and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+#: Methods the issue names that this engine does not run yet (a clear error, not a fallback).
+PLANNED_METHODS = ("draft_model",)
+BUDGETS = ("fixed", "adaptive")
+
+FIELD = "EngineArgs.speculative_config"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """``method``: the drafter. ``num_speculative_tokens``: most draft tokens a request
+    verifies per step. ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes the
+    ``ngram`` drafter matches. ``budget``: ``fixed`` drafts up to ``num_speculative_tokens``
+    whenever the drafter has them; ``adaptive`` chooses per step from measured step costs
+    and acceptance estimates (``spec.adaptive``)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    budget: str = "fixed"
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpecConfig:
+        if isinstance(d, SpecConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"{FIELD}={d!r} is invalid: must be a dict such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        method = d.get("method")
+        if method in PLANNED_METHODS:
+            raise ValueError(f"{FIELD}['method']={method!r} is not available in this version: "
+                             f"choose one of {list(METHODS)}")
+        if method not in METHODS:
+            raise ValueError(f"{FIELD}['method']={method!r} is invalid: choose one of "
+                             f"{list(METHODS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{FIELD} has unknown key {unknown[0]!r}: known keys are "
+                             f"{sorted(known)}")
+        if "num_speculative_tokens" not in d:
+            raise ValueError(f"{FIELD} needs 'num_speculative_tokens' (an integer >= 1)")
+        cfg = cls(**d)
+        _int_at_least("num_speculative_tokens", cfg.num_speculative_tokens, 1)
+        _int_at_least("prompt_lookup_min", cfg.prompt_lookup_min, 1)
+        _int_at_least("prompt_lookup_max", cfg.prompt_lookup_max, 1)
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError(f"{FIELD}['prompt_lookup_min']={cfg.prompt_lookup_min} is invalid: "
+                             f"must be <= prompt_lookup_max={cfg.prompt_lookup_max}")
+        if cfg.budget not in BUDGETS:
+            raise ValueError(f"{FIELD}['budget']={cfg.budget!r} is invalid: choose one of "
+                             f"{list(BUDGETS)}")
+        return cfg
+
+    def check_fits(self, max_num_batched_tokens: int, top_tier: int) -> None:
+        """A request's verify (k + 1 tokens) must fit one step and, with graphs, the top tier."""
+        k = self.num_speculative_tokens
+        limit = min(max_num_batched_tokens, top_tier) if top_tier else max_num_batched_tokens
+        if k + 1 > limit:
+            raise ValueError(
+                f"{FIELD}['num_speculative_tokens']={k} is invalid: a verify of k + 1 = {k + 1} "
+                f"tokens exceeds the largest step the engine runs ({limit} tokens: "
+                "max_num_batched_tokens and the top graph tier)")
+
+
+def _int_at_least(key: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{FIELD}['{key}']={value!r} is invalid: must be an integer >= {lo}")

@@ -1,0 +1,92 @@
+"""The draft-budget chooser on synthetic cost staircases."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from replaylm.spec.budget import choose_budget, step_cost
+
+
+def _rate(costs, base, alphas, ks):
+    emitted = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(alphas, ks))
+    return emitted / step_cost(costs, base + sum(ks))
+
+
+def test_step_cost_is_the_tier_staircase():
+    costs = [(8, 1.0), (16, 1.5), (32, 3.0)]
+    assert [step_cost(costs, t) for t in (1, 8, 9, 16, 17, 32, 33)] == \
+        [1.0, 1.0, 1.5, 1.5, 3.0, 3.0, None]
+
+
+def test_batch_one_fills_its_tier_when_drafts_are_accepted():
+    costs = [(8, 1.0), (16, 1.05), (32, 2.0)]
+    assert choose_budget(costs, 1, [0.8], [7]) == [7]  # 8 tokens cost what 1 does
+    assert choose_budget(costs, 1, [0.0], [7]) == [0]  # never accepted: plain decoding
+
+
+def test_high_batch_falls_back_to_plain_decoding():
+    # 64 decodes fill tier 64; any draft moves the step to tier 128 at twice the cost, and
+    # even every request's best draft cannot double the tokens per step.
+    costs = [(64, 1.0), (128, 2.0)]
+    assert choose_budget(costs, 64, [0.9] * 64, [4] * 64) == [0] * 64
+    # Above the top tier nothing is drafted.
+    assert choose_budget(costs, 200, [0.9], [4]) == [0]
+
+
+def test_drafts_go_to_the_requests_most_likely_to_accept():
+    costs = [(4, 1.0), (8, 1.9)]
+    # Two decodes, 2 draft tokens fit tier 4 for free: both go to the better request.
+    assert choose_budget(costs, 2, [0.9, 0.3], [4, 4]) == [2, 0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_brute_force(seed):
+    rng = random.Random(seed)
+    tiers = sorted(rng.sample(range(2, 24), 4))
+    costs, c = [], 0.0
+    for t in tiers:
+        c += rng.uniform(0.1, 1.0)
+        costs.append((t, c))
+    n = rng.randint(1, 3)
+    alphas = [rng.choice([0.0, rng.random()]) for _ in range(n)]
+    maxk = [rng.randint(0, 4) for _ in range(n)]
+    base = rng.randint(n, tiers[-1])
+    got = choose_budget(costs, base, alphas, maxk)
+    assert all(0 <= k <= m for k, m in zip(got, maxk))
+    best = max(_rate(costs, base, alphas, ks)
+               for ks in itertools.product(*(range(m + 1) for m in maxk))
+               if base + sum(ks) <= tiers[-1])
+    assert _rate(costs, base, alphas, got) == pytest.approx(best)
+    assert _rate(costs, base, alphas, got) >= _rate(costs, base, alphas, [0] * n)
+
+
+class _Req:
+    def __init__(self, drafts):
+        self.draft_tokens = list(drafts)
+
+
+def test_adaptive_budget_learns_costs_and_acceptance():
+    from replaylm.spec.adaptive import PRIOR, AdaptiveBudget, eager_tiers
+
+    assert eager_tiers(40) == [1, 2, 4, 8, 16, 32, 40]
+    b = AdaptiveBudget([4, 8, 16])
+    reqs = [_Req([1, 2, 3]), _Req([4, 5])]
+    assert b.choose(reqs, 2) == [3, 2]  # nothing measured yet: drafts as proposed
+    b.observe_step(4, 1.0)
+    b.observe_step(4, 2.0)
+    assert b.costs[4] == pytest.approx(1.3)  # moving average
+    # Unmeasured tiers scale from the largest measured one below by the token ratio.
+    assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(2.6)),
+                             (16, pytest.approx(5.2))]
+    good, bad = _Req([1, 2, 3, 4]), _Req([5, 6, 7, 8])
+    for _ in range(10):
+        AdaptiveBudget.observe_verify(good, 4, 4)
+        AdaptiveBudget.observe_verify(bad, 4, 0)
+    assert good.spec_acceptance > 0.95 > PRIOR > 0.05 > bad.spec_acceptance
+    # Tier 4 holds 2 base tokens + 2 drafts at the same cost: both go to the good request;
+    # tier 8 costs twice as much, which the expected gains do not repay.
+    assert b.choose([good, bad], 2) == [2, 0]
+    assert good.draft_tokens == [1, 2] and bad.draft_tokens == [] and b.last_choice == 2
