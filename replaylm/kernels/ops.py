@@ -9,6 +9,9 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
+* ``route_topk`` / ``fused_moe`` — MoE routing and the routed experts: the graph-safe torch
+  references on the device (every expert runs on every row, masked), until a grouped
+  Triton path replaces them.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import torch
 
 from replaylm.kernels import ref, skinny, tuner
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
-from replaylm.kernels.ref import split_qkv
+from replaylm.kernels.ref import fused_moe, route_topk, split_qkv
 
-__all__ = ["add_rms_norm", "linear", "norm_linear", "rotary", "silu_and_mul", "silu_linear",
-           "split_qkv"]
+__all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
+           "silu_and_mul", "silu_linear", "split_qkv"]
 
 
 def _few_rows(x: torch.Tensor) -> bool:
