@@ -137,6 +137,10 @@ class CausalLM(nn.Module):
                 layer.moe.side_stream = stream
                 layer.moe.side_stream_max_tokens = max_tokens if stream is not None else 0
 
+    def side_stream_forks(self) -> int:
+        """How many times MoE layers have forked onto the side stream (during captures)."""
+        return sum(layer.moe.forks for layer in self.layers if layer.moe is not None)
+
     def bind(
         self,
         attn: AttentionBackend,

@@ -43,6 +43,7 @@ class SparseMoe(nn.Module):
         # Set by CausalLM.use_side_stream: the model's one side stream and the row limit.
         self.side_stream: torch.cuda.Stream | None = None
         self.side_stream_max_tokens = 0
+        self.forks = 0  # captures that forked onto the side stream (graph_stats reports them)
 
     def forward(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
         """The MLP output of the normed rows ``x`` ``[T, H]``; ``kernels`` is ``kernels.ops``
@@ -52,6 +53,7 @@ class SparseMoe(nn.Module):
         if side is not None:
             main = torch.cuda.current_stream()
             side.wait_stream(main)  # fork: the side branch starts once x is ready
+            self.forks += 1
         routed = self._routed(x, k)  # the main branch is issued first
         if self.shared_gate_up is None:
             return routed

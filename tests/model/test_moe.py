@@ -128,6 +128,22 @@ def test_moe_mode_matches_eager_tokens(moe_checkpoint, mode):
     stats = llm.graph_stats()
     assert stats["num_graphs"] > 0 and stats["checks"] > 0
     assert sum(stats["hits"].values()) > 0
+    # No CUDA: the shared expert stays on the one stream, and every graph says so.
+    assert set(stats["streams"]) == set(stats["forks"]) and set(stats["streams"].values()) == {1}
+    assert not any(stats["forks"].values())
+
+
+def test_side_stream_setting_is_validated_and_needs_cuda(moe_checkpoint):
+    from replaylm.config import EngineArgs
+
+    assert EngineArgs().moe_side_stream_max_tokens == 256
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="moe_side_stream_max_tokens"):
+            EngineArgs(moe_side_stream_max_tokens=bad)
+    model = bound_model(moe_checkpoint[1], TorchAttentionBackend())
+    model.use_side_stream(256)
+    sparse = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert sparse and all(m.side_stream is None and m.side_stream_max_tokens == 0 for m in sparse)
 
 
 @pytest.mark.parametrize("name, total, active, arch", [
