@@ -56,3 +56,37 @@ def test_side_stream_limit_keeps_large_tiers_inline(qwen2_moe_dir):
     llm, _ = _run(qwen2_moe_dir, "ragged", side_tokens=8, graph_tiers="4,8,16,64")
     streams = llm.graph_stats()["streams"]
     assert streams == {"ragged:4": 2, "ragged:8": 2, "ragged:16": 1, "ragged:64": 1}
+
+
+@pytest.mark.parametrize("t", [1, 16, 64, 256])
+def test_grouped_moe_in_a_graph_serves_any_routing(t):
+    """The grouped kernels at the qwen1.5-moe-a2.7b expert shape in bf16: close to the torch
+    reference, and one capture replays any routing with the bits of an eager run."""
+    from replaylm.kernels import moe, ref
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(t)
+    e, k, h, i = 60, 4, 2048, 1408
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02).to(dt)
+    w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
+    x = torch.randn(t, h, generator=g, device=dev).to(dt)
+    logits = torch.randn(t, e, generator=g, device=dev).to(dt)
+    weights, ids = ref.route_topk(logits, k, normalize=False)
+    expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
+    got = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+    graph = torch.cuda.CUDAGraph()
+    moe.fused_moe(x, w_gate_up, w_down, weights, ids)  # warm-up (compile) before capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    for seed in range(3):
+        new = torch.randn(t, e, generator=g, device=dev).to(dt)
+        if seed == 1:
+            new[:, 5] += 50  # every token on expert 5
+        w2, i2 = ref.route_topk(new, k, normalize=False)
+        weights.copy_(w2)
+        ids.copy_(i2)
+        graph.replay()
+        assert torch.equal(out, moe.fused_moe(x, w_gate_up, w_down, weights, ids))
