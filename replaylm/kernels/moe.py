@@ -59,20 +59,28 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
 
 
 @triton.jit
+def _tile(slot_rows_ptr, tile_expert_ptr, num_assign, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr):
+    """This program's tile: its expert (-1: empty), slots, their assignments (``valid``
+    where a slot holds one) and its strip of output columns."""
+    e = tl.load(tile_expert_ptr + tl.program_id(0))
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(slot_rows_ptr + offs_m)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, offs_m, rows, rows < num_assign, offs_n
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num_assign,
                     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``inter[slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`` for one tile's slots and a
     ``BLOCK_N`` strip of the expert's ``I`` columns (``w`` is ``[E, 2I, H]``)."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, rows, valid, offs_n = _tile(slot_rows_ptr, tile_expert_ptr, num_assign,
+                                           BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(slot_rows_ptr + offs_m)
-    valid = rows < num_assign
     tokens = tl.where(valid, rows // TOP_K, 0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     w_base = w_ptr + e.to(tl.int64) * (2 * INTER * H)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -102,14 +110,10 @@ def _down_kernel(inter_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, 
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[assignment] = weight · (inter[slot] @ down_e^T)`` for one tile and a ``BLOCK_N``
     strip of the ``H`` outputs (``w`` is ``[E, H, I]``)."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, rows, valid, offs_n = _tile(slot_rows_ptr, tile_expert_ptr, num_assign,
+                                           BLOCK_M, BLOCK_N)
     if e < 0:
         return
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(slot_rows_ptr + offs_m)
-    valid = rows < num_assign
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     w_base = w_ptr + e.to(tl.int64) * (H * INTER)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
