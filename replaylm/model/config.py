@@ -140,8 +140,11 @@ class ModelConfig:
         return (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
                 + (3 * h * shared + h if shared else 0))
 
-    def weight_bytes(self, dtype: torch.dtype) -> int:
-        return self.num_params * torch.empty((), dtype=dtype).element_size()
+    def weight_bytes(self, dtype: torch.dtype, active: bool = False) -> int:
+        """Bytes of all weights, or with ``active`` of those one token reads (MoE: its
+        top-k experts only)."""
+        params = self.num_active_params if active else self.num_params
+        return params * torch.empty((), dtype=dtype).element_size()
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.kv_size * torch.empty((), dtype=dtype).element_size()

@@ -150,3 +150,18 @@ def test_named_moe_shapes_have_the_published_sizes(name, total, active, arch):
     assert abs(cfg.num_params - total) < 0.05e9
     assert abs(cfg.num_active_params - active) < 0.06e9
     assert all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
+def test_batch_1_floor_counts_the_bytes_one_token_reads():
+    from types import SimpleNamespace
+
+    from replaylm.bench.decode import weight_bytes_of
+
+    dense, _ = load_model_config("llama3.2-1b")
+    moe, _ = load_model_config("qwen1.5-moe-a2.7b")
+    cpu = torch.device("cpu")
+    for cfg in (dense, moe):
+        llm = SimpleNamespace(model_config=cfg, dtype=torch.bfloat16, device=cpu)
+        assert weight_bytes_of(llm) == 2 * cfg.num_active_params
+    assert dense.num_active_params == dense.num_params
+    assert moe.num_active_params < moe.num_params / 5
