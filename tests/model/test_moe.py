@@ -165,3 +165,68 @@ def test_batch_1_floor_counts_the_bytes_one_token_reads():
         assert weight_bytes_of(llm) == 2 * cfg.num_active_params
     assert dense.num_active_params == dense.num_params
     assert moe.num_active_params < moe.num_params / 5
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream on the CPU: records waits and which stream ran each op."""
+
+    def __init__(self, name, log, current):
+        self.name, self.log, self.current = name, log, current
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def __enter__(self):
+        self.current.append(self)
+
+    def __exit__(self, *exc):
+        self.current.pop()
+
+
+def test_shared_expert_forks_onto_the_side_stream_only_while_capturing(monkeypatch):
+    """The block's capture-time schedule: fork after x is ready, the routed experts issued
+    first on the main stream, the shared expert on the side stream, join before the add;
+    same result as inline; nothing forks outside capture or above the row limit."""
+    from types import SimpleNamespace
+
+    from replaylm.model.config import ModelConfig
+    from replaylm.model.loader import init_dummy
+    from replaylm.model.moe import SparseMoe
+
+    log: list[str] = []
+    current: list[_FakeStream] = []
+    main = _FakeStream("main", log, current)
+    current.append(main)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: s)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    def logged(name):
+        def op(*args, **kw):
+            log.append(f"{name} on {current[-1].name}")
+            return getattr(ref, name)(*args, **kw)
+        return op
+
+    kernels = SimpleNamespace(linear=ref.linear, route_topk=ref.route_topk,
+                              fused_moe=logged("fused_moe"), silu_linear=logged("silu_linear"))
+    cfg, _ = load_model_config("qwen1.5-moe-a2.7b")
+    cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 32, "num_experts": 6,
+                         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24})
+    block = SparseMoe(cfg)
+    holder = SimpleNamespace(named_parameters=block.named_parameters,
+                             embed_tokens=SimpleNamespace(weight=torch.zeros(1)))
+    init_dummy(holder, seed=1)
+    block.side_stream, block.side_stream_max_tokens = _FakeStream("side", log, current), 8
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    inline = block(x, kernels)
+    assert log == ["fused_moe on main", "silu_linear on main"] and block.forks == 0
+    log.clear()
+    capturing[0] = True
+    forked = block(x, kernels)
+    assert log == ["side waits main", "fused_moe on main", "silu_linear on side",
+                   "main waits side"]
+    assert block.forks == 1 and torch.equal(forked, inline)
+    log.clear()
+    block(torch.randn(9, 32), kernels)  # above the row limit: inline even while capturing
+    assert log == ["fused_moe on main", "silu_linear on main"] and block.forks == 1
