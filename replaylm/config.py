@@ -23,7 +23,7 @@ PDL_SETTINGS = ("auto", "on", "off")
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
-    "llama3.2-1b, llama3-8b)",
+    "llama3.2-1b, llama3-8b, qwen1.5-moe-a2.7b, qwen3-30b-a3b)",
     "tokenizer": "tokenizer directory (defaults to the model's)",
     "dtype": "weight and activation dtype; auto = bfloat16 on CUDA, float32 on CPU",
     "device": "auto, cpu or cuda[:N]",
@@ -62,6 +62,9 @@ _HELP: dict[str, str] = {
     "rope_in_attention_max_reqs": "decode steps of up to this many requests do q/k norm, "
     "rotary and the KV write inside the attention launch (fused kernels, modes that graph "
     "attention with the model); 0 = never",
+    "moe_side_stream_max_tokens": "MoE models with a shared expert: graphs of up to this "
+    "many tokens run the shared expert on a side stream beside the routed experts (CUDA); "
+    "0 = inline",
     "max_stop_strings": "most stop strings a request may give",
     "max_stop_string_length": "longest stop string a request may give, in characters",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
@@ -101,6 +104,7 @@ class EngineArgs:
     overlap_scheduling: bool = True
     pdl: str = "auto"
     rope_in_attention_max_reqs: int = 1
+    moe_side_stream_max_tokens: int = 256
     max_stop_strings: int = 32
     max_stop_string_length: int = 256
     speculative_config: dict | None = None
@@ -124,6 +128,7 @@ class EngineArgs:
             _positive("max_graphs", self.max_graphs)
         _non_negative("graph_check", self.graph_check)
         _non_negative("rope_in_attention_max_reqs", self.rope_in_attention_max_reqs)
+        _non_negative("moe_side_stream_max_tokens", self.moe_side_stream_max_tokens)
         if self.speculative_config is not None:
             SpecConfig.from_dict(self.speculative_config)
         if self.max_model_len is not None:

@@ -40,6 +40,23 @@ TINY = {
         head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
     ),
+    # 8 experts, top 2 without renormalising, a shared expert, and a dense middle layer.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], vocab_size=256,
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=80, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    ),
+    # Routed experts only, top 3 renormalised, q/k norm.
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=256,
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_theta=1000000.0, bos_token_id=1, eos_token_id=2,
+    ),
 }
 
 

@@ -7,7 +7,8 @@
   each, all submitted at once; output tok/s = generated tokens ÷ wall; one warm-up first.
 
 Every batch-1 figure is printed beside its floor: weight bytes ÷ 4.23 TB/s (the H200's
-measured copy bandwidth) + graph nodes × 1 µs, and the share of that floor reached.
+measured copy bandwidth) + graph nodes × 1 µs, and the share of that floor reached. For an
+MoE model the weight bytes are those one token reads: its top-k experts, not all.
 
 The harness functions (:func:`bench_batch1`, :func:`bench_batched`) take a built ``LLM`` so
 other benchmarks can reuse them; :func:`run_decode_bench` builds one engine per graph mode.
@@ -128,13 +129,14 @@ def _timed_runs(llm: Any, prompts: Callable[[int], list[list[int]]], params: Sam
 
 
 def weight_bytes_of(llm: Any) -> int:
-    """Weight bytes of the loaded model; ``weight_bytes`` may be an int or a method of dtype."""
+    """Weight bytes one token of the loaded model reads (all of them for a dense model);
+    ``weight_bytes`` may be an int or a method of dtype."""
     wb = llm.model_config.weight_bytes
     if callable(wb):
         dtype = getattr(llm, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             dtype = torch.bfloat16 if llm.device.type == "cuda" else torch.float32
-        wb = wb(dtype)
+        wb = wb(dtype, active=True)
     return int(wb)
 
 

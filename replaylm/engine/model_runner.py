@@ -92,6 +92,7 @@ class ModelRunner:
         )
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
+        self.model.use_side_stream(args.moe_side_stream_max_tokens)
         # Fused Triton kernels for the dense links go with the Triton attention backend.
         self.model.use_fused_kernels(args.fused_kernels and self.attn.name == "triton")
         self.model.rope_in_attention_max_reqs = (

@@ -42,6 +42,10 @@ class GraphStats:
     padded_tokens: int = 0
     num_graphs: int = 0
     nodes: dict[str, int] = field(default_factory=dict)  # "mode:tier" -> graph nodes per step
+    # "mode:tier" -> streams the capture issued work on (1, or 2 with the model's side
+    # stream) and the forks onto that side stream (one per sparse layer that forked)
+    streams: dict[str, int] = field(default_factory=dict)
+    forks: dict[str, int] = field(default_factory=dict)
     capture_seconds: float = 0.0
     graph_mib: float = 0.0
     checks: int = 0
@@ -56,6 +60,7 @@ class GraphStats:
             "padding_share": round(1 - self.real_tokens / self.padded_tokens, 4)
             if self.padded_tokens else 0.0,
             "num_graphs": self.num_graphs, "nodes": dict(self.nodes),
+            "streams": dict(self.streams), "forks": dict(self.forks),
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_mib": round(self.graph_mib, 1), "checks": self.checks,
         }
@@ -137,12 +142,16 @@ class GraphRuntime:
             for mode, tier in tqdm(jobs, desc=f"capturing {self.mode} graphs", unit="graph",
                                    disable=len(jobs) < 2):
                 self.buffers.fill_padding()
+                forks = self.model.side_stream_forks()
                 if mode == "piecewise":
                     nodes = self.piecewise.capture(tier, new_graph)
                 else:
                     nodes = self.whole.capture(mode, tier, new_graph(f"{mode}:{tier}"))
                 if nodes is not None:
                     self.stats.nodes[f"{mode}:{tier}"] = nodes
+                forks = self.model.side_stream_forks() - forks
+                self.stats.forks[f"{mode}:{tier}"] = forks
+                self.stats.streams[f"{mode}:{tier}"] = 1 + (forks > 0)  # one side stream
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         s = self.stats

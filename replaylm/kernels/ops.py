@@ -9,18 +9,31 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
+* ``route_topk`` — MoE routing: the torch reference on the device (softmax and top-k are
+  graph safe there).
+* :func:`fused_moe` — the routed experts: the grouped Triton kernels (``kernels.moe``) on
+  CUDA, the torch reference elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from replaylm.kernels import ref, skinny, tuner
+from replaylm.kernels import moe, ref, skinny, tuner
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
-from replaylm.kernels.ref import split_qkv
+from replaylm.kernels.ref import route_topk, split_qkv
 
-__all__ = ["add_rms_norm", "linear", "norm_linear", "rotary", "silu_and_mul", "silu_linear",
-           "split_qkv"]
+__all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
+           "silu_and_mul", "silu_linear", "split_qkv"]
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts (``ref.fused_moe``): grouped by expert in Triton on CUDA, so each
+    tile reads only its expert's weights."""
+    if not x.is_cuda:
+        return ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def _few_rows(x: torch.Tensor) -> bool:

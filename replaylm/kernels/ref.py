@@ -119,3 +119,38 @@ def norm_linear(
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU-and-mul, then a projection (down_proj)."""
     return linear(silu_and_mul(gate_up), weight)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of ``router_logits`` ``[T, E]``: softmax in fp32, the ``top_k`` largest
+    probabilities (renormalised to sum to 1 when ``normalize``); returns ``(weights, ids)``
+    ``[T, top_k]``, the weights in the logits' dtype, as transformers' Qwen MoE routers do."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts: ``sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over the
+    chosen experts ``e = ids[t, k]``, with ``w_gate_up`` ``[E, 2I, H]`` (gate | up) and
+    ``w_down`` ``[E, H, I]``.
+
+    Graph safe (no host sync, no data-dependent shape): each expert runs on every row and
+    rows that did not choose it get weight 0, summed in expert order as transformers does.
+    Every expert's weights are read whatever the routing; ``kernels.ops`` has the grouped
+    path that reads only the chosen ones.
+    """
+    num_experts = w_gate_up.shape[0]
+    dense = torch.zeros(x.shape[0], num_experts, dtype=topk_weights.dtype, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights)  # [T, E]: routing weight, 0 where not chosen
+    out = torch.zeros_like(x)
+    for e in range(num_experts):
+        y = linear(silu_and_mul(linear(x, w_gate_up[e])), w_down[e])
+        # A row that did not choose e adds exactly 0 (padding rows may carry NaN: they are
+        # dropped, and rows never mix here).
+        out += torch.where(dense[:, e, None] != 0, y * dense[:, e, None], 0.0)
+    return out

@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QKV_BIASED = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_QK_NORMED = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     o_bias: bool = False  # o_proj bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down biases (Llama mlp_bias)
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE); num_experts 0 is a dense model. A layer is
+    # sparse when it is not in ``mlp_only_layers`` and (i + 1) % decoder_sparse_step == 0;
+    # the other layers keep a dense MLP of ``intermediate_size``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    moe_intermediate_size: int = 0  # each routed expert's FFN width
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen3-MoE)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @staticmethod
     def from_hf(hf: Any, name: str) -> ModelConfig:
@@ -51,6 +64,7 @@ class ModelConfig:
             scaling = None
         eos = getattr(hf, "eos_token_id", None)
         attention_bias = bool(getattr(hf, "attention_bias", False))
+        moe = arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         return ModelConfig(
             name=name,
             architecture=arch,
@@ -66,15 +80,30 @@ class ModelConfig:
             rope_scaling=dict(scaling) if scaling else None,
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            # Qwen2-MoE reads ``qkv_bias`` (default on); Qwen2 always has the biases.
+            qkv_bias=(bool(getattr(hf, "qkv_bias", True)) if arch == "Qwen2MoeForCausalLM"
+                      else arch == "Qwen2ForCausalLM" or attention_bias),
+            qk_norm=arch in _QK_NORMED,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=_as_tuple(eos),
             # As transformers builds them: Qwen2's o_proj and MLP never have biases, Qwen3's
             # MLP neither; Llama's attention_bias covers o_proj too.
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            o_bias=arch not in _QKV_BIASED and attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
+            num_experts=int(hf.num_experts) if moe else 0,
+            num_experts_per_tok=int(hf.num_experts_per_tok) if moe else 0,
+            norm_topk_prob=moe and bool(hf.norm_topk_prob),
+            moe_intermediate_size=int(hf.moe_intermediate_size) if moe else 0,
+            shared_expert_intermediate_size=int(
+                getattr(hf, "shared_expert_intermediate_size", 0) or 0) if moe else 0,
+            decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1) if moe else 1,
+            mlp_only_layers=tuple(int(i) for i in (getattr(hf, "mlp_only_layers", None) or ())),
         )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` routes its MLP through experts (as transformers decides)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -86,15 +115,36 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         qkv = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) * self.qkv_bias
-        biases = h * self.o_bias + (2 * i + h) * self.mlp_bias
-        per_layer = qkv + self.q_size * h + 3 * h * i + 2 * h + 2 * self.head_dim * self.qk_norm \
-            + biases
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+        per_layer = (qkv + self.q_size * h + h * self.o_bias + 2 * h
+                     + 2 * self.head_dim * self.qk_norm)
+        mlps = sum(self.mlp_params(n) for n in range(self.num_layers))
+        return (v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer
+                + mlps + h)
 
-    def weight_bytes(self, dtype: torch.dtype) -> int:
-        return self.num_params * torch.empty((), dtype=dtype).element_size()
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token reads: the top-k experts of each sparse layer, not all."""
+        return self.num_params - sum(self.mlp_params(n) - self.mlp_params(n, active=True)
+                                     for n in range(self.num_layers))
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Parameters of layer ``layer``'s MLP; with ``active`` only those one token reads
+        (its top-k experts, the router and the shared expert)."""
+        h, i = self.hidden_size, self.intermediate_size
+        if not self.is_moe_layer(layer):
+            return 3 * h * i + (2 * i + h) * self.mlp_bias
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = self.shared_expert_intermediate_size
+        return (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+                + (3 * h * shared + h if shared else 0))
+
+    def weight_bytes(self, dtype: torch.dtype, active: bool = False) -> int:
+        """Bytes of all weights, or with ``active`` of those one token reads (MoE: its
+        top-k experts only)."""
+        params = self.num_active_params if active else self.num_params
+        return params * torch.empty((), dtype=dtype).element_size()
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.kv_size * torch.empty((), dtype=dtype).element_size()

@@ -1,4 +1,4 @@
-"""Llama 2/3/3.x, Qwen2/2.5 and Qwen3 decoders, written as a chain that graphs can cut.
+"""Llama 2/3/3.x, Qwen2/2.5, Qwen3 and Qwen2/Qwen3-MoE decoders, as a chain graphs can cut.
 
 Each layer splits at attention into a dense "before" part (residual add + norm, fused qkv,
 q/k norm, rotary, KV write) and a dense "after" part (o_proj, residual add + norm, gate/up,
@@ -28,6 +28,7 @@ from replaylm.attention.backend import AttentionBackend
 from replaylm.batch import AttentionMetadata
 from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
+from replaylm.model.moe import SparseMoe
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +39,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
@@ -49,8 +50,10 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.moe = SparseMoe(cfg) if cfg.is_moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
 
     def before(
@@ -83,9 +86,14 @@ class DecoderLayer(nn.Module):
     def after(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred).
         Biases (``attention_bias`` / ``mlp_bias`` checkpoints) go through the projections;
-        a biased down_proj runs SiLU·mul and the projection apart (``silu_linear`` has none)."""
+        a biased down_proj runs SiLU·mul and the projection apart (``silu_linear`` has none).
+        A sparse layer's MLP is its routed experts (``model.moe``)."""
         k = self.kernels or ref
         hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        if self.moe is not None:
+            normed, residual = k.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
+                                              self.cfg.rms_norm_eps)
+            return self.moe(normed, self.kernels), residual
         gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
                                           self.cfg.rms_norm_eps, self.gate_up_proj.weight,
                                           self.gate_up_proj.bias)
@@ -102,7 +110,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False
@@ -118,6 +126,20 @@ class CausalLM(nn.Module):
         # Set by the runner: decode steps of at most this many request slots leave q/k norm,
         # rotary and the KV write to the attention launch (Triton backend, whole-model modes).
         self.rope_in_attention_max_reqs = 0
+
+    def use_side_stream(self, max_tokens: int) -> None:
+        """Let MoE layers run the shared expert on one side stream, made here for the whole
+        model, while a CUDA graph of at most ``max_tokens`` rows is captured (0: never)."""
+        device = self.embed_tokens.weight.device
+        stream = torch.cuda.Stream(device) if max_tokens > 0 and device.type == "cuda" else None
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.side_stream = stream
+                layer.moe.side_stream_max_tokens = max_tokens if stream is not None else 0
+
+    def side_stream_forks(self) -> int:
+        """How many times MoE layers have forked onto the side stream (during captures)."""
+        return sum(layer.moe.forks for layer in self.layers if layer.moe is not None)
 
     def bind(
         self,
@@ -237,5 +259,8 @@ class CausalLM(nn.Module):
         for res_in in (None, zeros(cfg.hidden_size)):
             _, residual = layer.before(zeros(cfg.hidden_size), res_in, slots, self.cos_sin,
                                        self.kv_caches[0], slots)
-        layer.after(zeros(cfg.num_heads, cfg.head_dim), residual)
+        # A dense and a sparse layer (MoE models may have both): every MLP shape.
+        mlps = {layer.moe is None: layer for layer in self.layers}
+        for mlp_layer in mlps.values():
+            mlp_layer.after(zeros(cfg.num_heads, cfg.head_dim), residual)
         self.compute_logits(zeros(cfg.hidden_size), out=zeros(cfg.vocab_size))

@@ -1,7 +1,8 @@
 """Build a model and fill its weights from a Hugging Face directory or from a seed.
 
-Loading is declared per parameter: ``WEIGHT_MAP`` says where each checkpoint tensor goes,
-including the packed ``qkv_proj`` (q | k | v) and ``gate_up_proj`` (gate | up) shards.
+Loading is declared per parameter: ``PACKED`` and ``MOE_NAMES`` say where each checkpoint
+tensor goes, including the packed ``qkv_proj`` (q | k | v) and ``gate_up_proj`` (gate | up)
+shards and, in MoE layers, each expert's slice of the packed expert tensors.
 """
 
 from __future__ import annotations
@@ -29,27 +30,61 @@ PACKED: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# MoE layers (``mlp.`` dropped): the router, the shared expert, and each routed expert's
+# projections, packed per layer into [E, 2I, H] (gate | up) and [E, H, I] tensors.
+MOE_NAMES: dict[str, tuple[str, int | None]] = {
+    "gate.weight": ("moe.gate.weight", None),
+    "shared_expert_gate.weight": ("moe.shared_expert_gate.weight", None),
+    "shared_expert.gate_proj.weight": ("moe.shared_gate_up.weight", 0),
+    "shared_expert.up_proj.weight": ("moe.shared_gate_up.weight", 1),
+    "shared_expert.down_proj.weight": ("moe.shared_down.weight", None),
+    "gate_proj.weight": ("moe.experts_gate_up", 0),
+    "up_proj.weight": ("moe.experts_gate_up", 1),
+    "down_proj.weight": ("moe.experts_down", None),
+    # transformers' in-memory layout, already packed per layer
+    "experts.gate_up_proj": ("moe.experts_gate_up", None),
+    "experts.down_proj": ("moe.experts_down", None),
+}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+PACKED_MODULES = ("qkv_proj", "gate_up_proj", "experts_gate_up", "shared_gate_up")
 
 
 def shard_sizes(cfg: ModelConfig, module: str) -> list[int]:
     if module == "qkv_proj":
         return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    size = {"experts_gate_up": cfg.moe_intermediate_size,
+            "shared_gate_up": cfg.shared_expert_intermediate_size}.get(module,
+                                                                      cfg.intermediate_size)
+    return [size, size]
 
 
-def target_of(name: str) -> tuple[str, int | None] | None:
-    """Map a checkpoint tensor name to ``(our parameter name, shard index or None)``."""
+# (our parameter name, expert index or None, shard index or None)
+Target = tuple[str, int | None, int | None]
+
+
+def target_of(name: str, cfg: ModelConfig) -> Target | None:
+    """Map a checkpoint tensor name to our parameter, its expert and its shard."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
     parts = name.removeprefix("model.").split(".")
+    if len(parts) > 3 and parts[0] == "layers" and parts[2] == "mlp" \
+            and cfg.is_moe_layer(int(parts[1])):
+        rest, expert = parts[3:], None
+        if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit():
+            rest, expert = rest[2:], int(rest[1])
+        key = ".".join(rest)
+        mapped = MOE_NAMES.get(key)
+        per_expert = key in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        if mapped is None or per_expert != (expert is not None):
+            return ".".join(parts), None, None  # no place in the model: the caller refuses
+        return f"layers.{parts[1]}.{mapped[0]}", expert, mapped[1]
     # layers.{i}.self_attn.q_proj.weight / layers.{i}.mlp.gate_proj.weight -> drop the group
     if len(parts) == 5 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
         parts = [parts[0], parts[1], parts[3], parts[4]]
     if len(parts) == 4 and parts[2] in PACKED:
         module, shard = PACKED[parts[2]]
-        return ".".join([parts[0], parts[1], module, parts[3]]), shard
-    return ".".join(parts), None
+        return ".".join([parts[0], parts[1], module, parts[3]]), None, shard
+    return ".".join(parts), None, None
 
 
 def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -94,13 +129,12 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
     """Copy checkpoint tensors into the model, checking every shape; all parameters must load."""
     cfg = model.cfg
     params = dict(model.named_parameters())
-    pending = {(n, None) for n in params if not _packed(n)}
-    pending |= {(n, s) for n in params if _packed(n) for s in range(len(shard_sizes(cfg, _packed(n))))}
+    pending = {n: _pieces(cfg, n, p) for n, p in params.items()}
     for name, tensor in tensors:
-        target = target_of(name)
+        target = target_of(name, cfg)
         if target is None:
             continue
-        pname, shard = target
+        pname, expert, shard = target
         if pname == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the head
         if pname not in params:
@@ -108,25 +142,37 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
             raise ValueError(f"checkpoint tensor {name} has no place in this model "
                              f"({cfg.architecture}): refusing to load without it")
         dst = params[pname].data
+        if expert is not None:
+            dst = dst[expert]
         if shard is not None:
             sizes = shard_sizes(cfg, _packed(pname))
             dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
         if tuple(tensor.shape) != tuple(dst.shape):
+            where = "".join(f" {k} {v}" for k, v in (("expert", expert), ("shard", shard))
+                            if v is not None)
             raise ValueError(
                 f"checkpoint tensor {name} has shape {list(tensor.shape)} but the model expects "
-                f"{list(dst.shape)} (for {pname}{'' if shard is None else f' shard {shard}'})"
+                f"{list(dst.shape)} (for {pname}{where})"
             )
         dst.copy_(tensor)
-        pending.discard((pname, shard))
-    missing = sorted(n for n, _ in pending)
+        pending[pname] = {(e, s) for e, s in pending[pname]
+                          if not ((expert is None or e == expert) and (shard is None or s == shard))}
+    missing = sorted(n for n, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
+def _pieces(cfg: ModelConfig, pname: str, p: torch.Tensor) -> set[tuple[int | None, int | None]]:
+    """The (expert, shard) pieces a parameter loads from: experts and shards it packs."""
+    experts = range(p.shape[0]) if pname.split(".")[-1].startswith("experts_") else [None]
+    packed = _packed(pname)
+    shards = range(len(shard_sizes(cfg, packed))) if packed else [None]
+    return {(e, s) for e in experts for s in shards}
+
+
 def _packed(pname: str) -> str | None:
-    module = pname.split(".")[-2] if "." in pname else ""
-    return module if module in ("qkv_proj", "gate_up_proj") else None
+    return next((m for m in pname.split(".") if m in PACKED_MODULES), None)
 
 
 @torch.no_grad()

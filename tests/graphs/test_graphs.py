@@ -56,14 +56,22 @@ def _traffic(llm: LLM, seed: int = 0) -> dict[str, list[int]]:
     return got
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_mode_matches_eager_tokens(qwen3_dir, mode):
-    expected = _traffic(_engine(qwen3_dir, "eager"))
-    llm = _engine(qwen3_dir, mode)
+def matches_eager(path, mode) -> LLM:
+    """Run the same traffic eagerly and in ``mode`` (every step checked bit for bit, padding
+    poisoned): the tokens must agree and graphs must have served steps."""
+    expected = _traffic(_engine(path, "eager"))
+    llm = _engine(path, mode)
     assert _traffic(llm) == expected
     stats = llm.graph_stats()
     assert stats["num_graphs"] > 0 and stats["checks"] > 0
     assert sum(stats["hits"].values()) > 0
+    return llm
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_eager_tokens(qwen3_dir, mode):
+    llm = matches_eager(qwen3_dir, mode)
+    stats = llm.graph_stats()
     assert llm.stats().preemptions > 0  # the pool is tight enough to preempt
     if mode == "full":
         assert "not a uniform decode batch" in stats["fallbacks"]

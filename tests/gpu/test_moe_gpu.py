@@ -1,0 +1,92 @@
+"""MoE models on the GPU: the shared expert on a side stream inside the captured graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replaylm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory):
+    from tests.conftest import make_checkpoint
+
+    path = tmp_path_factory.mktemp("gpu-qwen2-moe")
+    make_checkpoint("qwen2_moe", path, seed=7)
+    return path
+
+
+def _run(path, mode: str, side_tokens: int, **kw):
+    llm = LLM(str(path), cuda_graph_mode=mode, dtype="bfloat16", num_kv_blocks=32,
+              max_num_seqs=8, max_num_batched_tokens=64, max_model_len=192,
+              max_graph_tokens=64, skip_tokenizer_init=True,
+              moe_side_stream_max_tokens=side_tokens, **kw)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 30, 1, 17, 44)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise", "ragged"])
+def test_side_stream_is_bit_identical_to_inline(qwen2_moe_dir, mode):
+    """The same kernels on two streams: tokens and logprobs equal inline, bit for bit; the
+    graphs fork onto one side stream (not one per layer) and hold the same nodes."""
+    on, got_on = _run(qwen2_moe_dir, mode, side_tokens=64, graph_check=1)
+    off, got_off = _run(qwen2_moe_dir, mode, side_tokens=0)
+    assert got_on == got_off
+    s_on, s_off = on.graph_stats(), off.graph_stats()
+    sparse = sum(on.model_config.is_moe_layer(i) for i in range(on.model_config.num_layers))
+    assert set(s_on["streams"].values()) == {2} and set(s_off["streams"].values()) == {1}
+    for key, forks in s_on["forks"].items():
+        # piecewise graphs: one link per layer, each capture forks its own layer once
+        assert forks == sparse, (key, forks)
+    assert s_on["checks"] > 0
+    if s_on["nodes"] and s_off["nodes"]:
+        assert s_on["nodes"] == s_off["nodes"]  # a fork and a join are edges, not nodes
+
+
+def test_side_stream_limit_keeps_large_tiers_inline(qwen2_moe_dir):
+    llm, _ = _run(qwen2_moe_dir, "ragged", side_tokens=8, graph_tiers="4,8,16,64")
+    streams = llm.graph_stats()["streams"]
+    assert streams == {"ragged:4": 2, "ragged:8": 2, "ragged:16": 1, "ragged:64": 1}
+
+
+@pytest.mark.parametrize("t", [1, 16, 64, 256])
+def test_grouped_moe_in_a_graph_serves_any_routing(t):
+    """The grouped kernels at the qwen1.5-moe-a2.7b expert shape in bf16: close to the torch
+    reference, and one capture replays any routing with the bits of an eager run."""
+    from replaylm.kernels import moe, ref
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(t)
+    e, k, h, i = 60, 4, 2048, 1408
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02).to(dt)
+    w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
+    x = torch.randn(t, h, generator=g, device=dev).to(dt)
+    logits = torch.randn(t, e, generator=g, device=dev).to(dt)
+    weights, ids = ref.route_topk(logits, k, normalize=False)
+    expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
+    got = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+    graph = torch.cuda.CUDAGraph()
+    moe.fused_moe(x, w_gate_up, w_down, weights, ids)  # warm-up (compile) before capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+    for seed in range(3):
+        new = torch.randn(t, e, generator=g, device=dev).to(dt)
+        if seed == 1:
+            new[:, 5] += 50  # every token on expert 5
+        w2, i2 = ref.route_topk(new, k, normalize=False)
+        weights.copy_(w2)
+        ids.copy_(i2)
+        graph.replay()
+        assert torch.equal(out, moe.fused_moe(x, w_gate_up, w_down, weights, ids))
