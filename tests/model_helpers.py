@@ -6,7 +6,7 @@ import torch
 
 from replaylm.attention.backend import AttentionBackend
 from replaylm.batch import BLOCK_SIZE, AttentionMetadata
-from replaylm.engine.core import load_model_config
+from replaylm.engine.loading import load_model_config
 from replaylm.model.loader import load_model
 
 

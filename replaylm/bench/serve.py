@@ -294,7 +294,7 @@ def _rates(ns: argparse.Namespace) -> list[float | None]:
 
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench serve``."""
-    from replaylm.engine.core import load_model_config
+    from replaylm.engine.loading import load_model_config
 
     resolve_model_defaults(ns)
     try:

@@ -10,6 +10,12 @@ from typing import Any
 
 from replaylm.config import EngineArgs
 from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.loading import (
+    load_model_config,
+    load_tokenizer,
+    tokenize_text,
+    too_long_message,
+)
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.output_processor import OutputState, attach_logprobs, make_delta
 from replaylm.engine.outputs import RequestDelta
@@ -18,7 +24,7 @@ from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
 from replaylm.model.loader import default_model_weights
-from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
+from replaylm.model.shapes import DEFAULT_MODEL_DIR
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
 from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
@@ -28,55 +34,6 @@ from replaylm.spec.stats import SpecStats
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
-    """Read a directory's config.json, or a named shape's built-in config."""
-    model_dir, shape = resolve_model(model)
-    if shape is not None:
-        return ModelConfig.from_hf(hf_config_from_dict(shape), model), None
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model directory {path}")
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # transformers raises several types for bad configs
-        raise ValueError(f"unreadable config.json in {path}: {e}") from e
-    cfg = ModelConfig.from_hf(hf, model)
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        import json
-
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except ValueError as e:
-            raise ValueError(f"unreadable generation_config.json in {path}: {e}") from e
-        if eos is not None:
-            ids = tuple(eos) if isinstance(eos, list) else (eos,)
-            cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(ids + cfg.eos_token_ids)))
-    return cfg, path
-
-
-def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **kw)
-
-
-def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any:
-    if args.skip_tokenizer_init:
-        return None
-    where = args.tokenizer or (str(model_dir) if model_dir is not None else None)
-    if where is None:
-        return None  # a named shape ships no tokenizer: token-id prompts only
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(where)
-    except Exception as e:
-        raise ValueError(f"cannot load a tokenizer from {where}: {e}") from e
 
 
 class EngineCore:
@@ -174,7 +131,7 @@ class EngineCore:
         if not prompt_ids:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(_too_long(len(prompt_ids), self.max_model_len))
+            raise ValueError(too_long_message(len(prompt_ids), self.max_model_len))
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(
@@ -390,62 +347,6 @@ class EngineCore:
         group = self.requests.get(request_id)
         state = self.outputs.get(group[0]) if group else None
         return state.text[: state.stop.sent] if state is not None else ""
-
-
-#: Texts longer than this many characters per ``max_model_len`` token are counted first.
-_LONG_TEXT_CHARS_PER_TOKEN = 4
-#: Characters counted per backend call when a long text is counted (at most; fewer for a
-#: small ``max_model_len``, whose limit a piece of a few times its size already shows).
-_COUNT_CHUNK_CHARS = 1 << 16
-#: Counting piece by piece may see a few more tokens than the whole text has, around each
-#: cut; the count must pass the limit by this much, plus this much per cut, to refuse.
-_COUNT_SLACK = 16
-_CUT_SLACK = 8
-
-
-def _too_long(n: int, max_model_len: int, at_least: bool = False) -> str:
-    return (f"prompt has {'more than ' if at_least else ''}{n} tokens but "
-            f"max_model_len={max_model_len} leaves no room for output (prompt must be shorter "
-            "than max_model_len)")
-
-
-def tokenize_text(tokenizer: Any, text: str, max_model_len: int,
-                  add_special_tokens: bool = True) -> list[int]:
-    """``tokenizer.encode(text)``, refusing a text far too long for ``max_model_len`` cheaply.
-
-    Encoding megabytes of text at once builds (and frees) a million-token encoding while
-    holding the interpreter lock for a tenth of a second or more, stalling every other thread
-    (the engine loop, the event loop), and takes seconds. A long text is counted instead, a
-    piece at a time by the fast tokenizer's backend (which releases the lock while it works),
-    and refused as soon as the count cannot fit; pieces are cut where a whitespace run begins,
-    so they tokenize as they do inside the whole text.
-    """
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if len(text) > _LONG_TEXT_CHARS_PER_TOKEN * max_model_len \
-            and hasattr(backend, "encode_batch"):
-        counted, start, cuts = 0, 0, 0
-        chunk = min(_COUNT_CHUNK_CHARS, max(4096, 2 * _LONG_TEXT_CHARS_PER_TOKEN * max_model_len))
-        while start < len(text):
-            end = _cut(text, start, start + chunk)
-            piece = backend.encode_batch([text[start:end]], add_special_tokens=False)[0]
-            counted += len(piece)
-            if counted >= max_model_len + _COUNT_SLACK + _CUT_SLACK * cuts:
-                raise ValueError(_too_long(counted - _CUT_SLACK * cuts, max_model_len,
-                                           at_least=True))
-            start, cuts = end, cuts + 1
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _cut(text: str, start: int, end: int) -> int:
-    """Where to end the piece ``text[start:end]``: where its last whitespace run begins, if
-    that leaves at least half the piece; else ``end`` itself (also at the text's end)."""
-    if end >= len(text):
-        return len(text)
-    half = start + (end - start) // 2
-    i = max(text.rfind(" ", half, end), text.rfind("\n", half, end))
-    while i > half and text[i - 1].isspace():
-        i -= 1
-    return i if i > half else end
 
 
 def sibling_seed(seed: int, index: int) -> int:

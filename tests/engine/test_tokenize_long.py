@@ -10,7 +10,7 @@ import time
 import pytest
 
 from replaylm.config import EngineArgs
-from replaylm.engine.core import load_model_config, load_tokenizer, tokenize_text
+from replaylm.engine.loading import load_model_config, load_tokenizer, tokenize_text
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,9 @@ def _texts() -> list[str]:
 
 @pytest.mark.parametrize("i", range(5))
 def test_never_refuses_what_fits_and_returns_exact_ids(tok, i, monkeypatch) -> None:
-    import replaylm.engine.core as core
+    import replaylm.engine.loading as loading
 
-    monkeypatch.setattr(core, "_LONG_TEXT_CHARS_PER_TOKEN", 0)  # count every text in pieces
+    monkeypatch.setattr(loading, "_LONG_TEXT_CHARS_PER_TOKEN", 0)  # count every text in pieces
     text = _texts()[i]
     exact = tok.encode(text)
     n = len(exact)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from replaylm import LLM, SamplingParams
 from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.engine.core import load_model_config
+from replaylm.engine.loading import load_model_config
 from tests.conftest import make_checkpoint
 from tests.model_helpers import bound_model, decode_step, one_request_meta
 

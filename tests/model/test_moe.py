@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.engine.core import load_model_config
+from replaylm.engine.loading import load_model_config
 from replaylm.graphs.stand_in import no_host_sync
 from replaylm.kernels import ref
 from replaylm.model.loader import build_empty, checkpoint_files, iter_checkpoint, load_weights
