@@ -20,10 +20,10 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _llm(path) -> LLM:
+def _llm(path, mode: str = "ragged") -> LLM:
     return LLM(str(path), num_kv_blocks=30, max_num_seqs=6, max_num_batched_tokens=40,
                max_model_len=128, max_graph_tokens=32, skip_tokenizer_init=True,
-               attention_backend="torch_dense", cuda_graph_mode="ragged", graph_check=1,
+               attention_backend="torch_dense", cuda_graph_mode=mode, graph_check=1,
                poison_padding=True)
 
 
@@ -53,24 +53,40 @@ def test_agreed_larger_steps_pad_to_the_agreed_tier_with_the_same_tokens(ckpt):
     assert sum(g["dummy_steps"].values()) == seen.count(0)
 
 
-def test_an_idle_rank_replays_the_agreed_graph_on_all_padding(ckpt):
-    llm = _llm(ckpt)
-    runtime = llm.engine.runner.graphs
-    graph = runtime.whole.graphs[("ragged", 8)]
-    replays = []
-    real_replay = graph.replay
-    graph.replay = lambda: (replays.append(1), real_replay())[1]
-    kv = [k.clone() for k, _ in llm.engine.runner.kv_caches]
-    d = llm.engine.runner.idle(lambda *a: (7, 2, False, True))
-    assert (d.mode, d.tier) == ("ragged", 8) and len(replays) == 1
-    assert runtime.stats.dummy_steps == {"ragged:8": 1}
-    assert runtime.stats.agreement_padded_tokens == 8
+def _count_replays(runtime) -> list[str]:
+    """Wrap every graph's replay to record its name in the returned list."""
+    graphs = list(runtime.whole.graphs.values()) if runtime.whole else []
+    if runtime.piecewise:
+        graphs += [g for links in runtime.piecewise.links.values() for g in links]
+    replays: list[str] = []
+    for g in graphs:
+        g.replay = (lambda g=g, real=g.replay: (replays.append(g.name), real())[1])
+    return replays
+
+
+@pytest.mark.parametrize("mode, agreed, key", [
+    ("ragged", (7, 2, False, True), "ragged:8"),
+    ("full", (3, 3, True, True), "full:4"),
+    ("piecewise", (7, 2, False, True), "piecewise:8"),
+])
+def test_an_idle_rank_replays_the_agreed_graph_on_all_padding(ckpt, mode, agreed, key):
+    llm = _llm(ckpt, mode)
+    runner = llm.engine.runner
+    runtime = runner.graphs
+    replays = _count_replays(runtime)
+    kv = [k.clone() for k, _ in runner.kv_caches]
+    d = runner.idle(lambda *a: agreed)
+    assert f"{d.mode}:{d.tier}" == key
+    assert replays and all(name.startswith(key) for name in replays)
+    assert runtime.stats.dummy_steps == {key: 1}
+    assert runtime.stats.agreement_padded_tokens == d.tier
     assert runtime.stats.hits == {}
     # Padding writes only the scratch block 0: no request's KV changed.
-    for before, (after, _) in zip(kv, llm.engine.runner.kv_caches):
+    for before, (after, _) in zip(kv, runner.kv_caches):
         assert torch.equal(before[1:], after[1:])
+    n = len(replays)
     # Nobody has work, or another rank must run eagerly: no replay here.
-    assert not llm.engine.runner.idle(lambda *a: (0, 0, True, True)).graphed
-    d = llm.engine.runner.idle(lambda *a: (4, 1, True, False))
+    assert not runner.idle(lambda *a: (0, 0, True, True)).graphed
+    d = runner.idle(lambda *a: (4, 1, True, False))
     assert not d.graphed and "eagerly" in d.reason
-    assert len(replays) == 1 and runtime.stats.agreement_steps == 3
+    assert len(replays) == n and runtime.stats.agreement_steps == 3
