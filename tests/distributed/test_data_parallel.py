@@ -53,22 +53,31 @@ def test_settings_are_validated():
                                                              "num_speculative_tokens": 2})
 
 
-def test_eager_dp2_matches_dp1_and_the_context_manager_ends_the_workers(ckpt):
+def test_eager_dp2_matches_dp1_and_a_killed_worker_is_named_within_the_timeout(ckpt):
     want = _tokens(LLM(str(ckpt), **_kw("eager")), PROMPTS)
     with LLM(str(ckpt), data_parallel_size=2, **_kw("eager")) as llm:
         procs = list(llm.engine.procs)
         assert _tokens(llm, PROMPTS) == want
         ranks = llm.graph_stats()["ranks"]
-        # Placement by load spreads the prompts; every rank took part in every step.
         stats = llm.stats()
         assert stats.requests_finished == len(PROMPTS)
+        # Placement by load spread the prompts; every rank took part in every step.
         assert all(r["agreement_steps"] > 0 for r in ranks)
         assert ranks[0]["agreement_steps"] == ranks[1]["agreement_steps"]
+        assert stats.prompt_tokens == sum(map(len, PROMPTS))
         # An abort reaches the rank that owns the request.
         llm.engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=50))
         assert llm.engine.abort("x") and not llm.engine.abort("x")
         assert llm.stats().requests_aborted == 1
-    assert not any(p.is_alive() for p in procs)
+        # A worker killed mid-run: the driver names it within the timeout, ends the other.
+        os.kill(procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(DataParallelError, match="rank 1 exited"):
+            _tokens(llm, PROMPTS)
+        assert time.monotonic() - start < llm.engine.timeout_s
+        assert not any(p.is_alive() for p in procs)
+        with pytest.raises(DataParallelError, match="shut down"):
+            _tokens(llm, PROMPTS)
     assert not set(procs) & set(multiprocessing.active_children())
 
 
@@ -93,6 +102,8 @@ def test_ragged_dp2_matches_dp1_and_an_idle_rank_replays_the_agreed_tier(ckpt):
         assert time.monotonic() - start < 2.0 + 5.0
     finally:
         llm.shutdown()
+        llm.shutdown()  # idempotent
+    assert not set(llm.engine.procs) & set(multiprocessing.active_children())
 
     def delta(rank: int, key: str) -> dict[str, int]:
         a, b = after[rank][key], before[rank][key]
@@ -111,19 +122,6 @@ def test_ragged_dp2_matches_dp1_and_an_idle_rank_replays_the_agreed_tier(ckpt):
     assert padded == sum(int(k.split(":")[1]) * n for k, n in delta(busy, "hits").items())
     assert after[busy]["agreement_padded_tokens"] == before[busy]["agreement_padded_tokens"]
     assert not any(p.is_alive() for p in llm.engine.procs)
-
-
-def test_a_killed_worker_is_named_within_the_timeout(ckpt):
-    llm = LLM(str(ckpt), data_parallel_size=2, **(_kw("eager") | dict(distributed_timeout_s=20)))
-    procs = list(llm.engine.procs)
-    os.kill(procs[1].pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(DataParallelError, match="rank 1 exited"):
-        _tokens(llm, PROMPTS)
-    assert time.monotonic() - start < 20
-    assert not any(p.is_alive() for p in procs)
-    with pytest.raises(DataParallelError, match="shut down"):
-        _tokens(llm, PROMPTS)
 
 
 EXIT_SCRIPT = """
