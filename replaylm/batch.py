@@ -86,9 +86,19 @@ class HostBatch:
     def num_sampled(self) -> int:
         return len(self.logits_indices)
 
+    @classmethod
+    def empty(cls) -> HostBatch:
+        """A batch of no tokens and no requests: padded to a tier, it is all padding (what a
+        data-parallel rank with no work replays so every rank runs the same graph)."""
+        i64, i32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return cls(input_ids=i64, from_device_rows=i64, from_device_slots=i64, positions=i64,
+                   slot_mapping=i64, cu_seqlens_q=np.zeros(1, np.int32), kv_lens=i32,
+                   req_slots=i32, table_index=i32, table_value=i32, logits_indices=i64,
+                   sample_slots=i64, sample_out_pos=i64)
+
     @property
     def max_q_len(self) -> int:
-        return int(np.diff(self.cu_seqlens_q).max())
+        return int(np.diff(self.cu_seqlens_q).max(initial=0))
 
     @property
     def is_uniform_decode(self) -> bool:

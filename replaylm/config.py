@@ -67,6 +67,10 @@ _HELP: dict[str, str] = {
     "0 = inline",
     "max_stop_strings": "most stop strings a request may give",
     "max_stop_string_length": "longest stop string a request may give, in characters",
+    "data_parallel_size": "data-parallel ranks: one worker process per rank, each with its "
+    "own engine (scheduler, KV pool, graphs); every step the ranks agree on one graph tier",
+    "distributed_timeout_s": "seconds the driver waits for a data-parallel worker (start-up "
+    "and every step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} (default: off)",
 }
@@ -108,6 +112,8 @@ class EngineArgs:
     max_stop_strings: int = 32
     max_stop_string_length: int = 256
     speculative_config: dict | None = None
+    data_parallel_size: int = 1
+    distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -131,6 +137,14 @@ class EngineArgs:
         _non_negative("moe_side_stream_max_tokens", self.moe_side_stream_max_tokens)
         if self.speculative_config is not None:
             SpecConfig.from_dict(self.speculative_config)
+        _positive("data_parallel_size", self.data_parallel_size)
+        if isinstance(self.distributed_timeout_s, bool) or not isinstance(
+                self.distributed_timeout_s, int | float) or not self.distributed_timeout_s > 0:
+            raise ValueError(f"EngineArgs.distributed_timeout_s={self.distributed_timeout_s!r} "
+                             "is invalid: must be a number of seconds > 0")
+        if self.data_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("EngineArgs.speculative_config is not supported with "
+                             f"data_parallel_size={self.data_parallel_size} (> 1)")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -90,6 +90,8 @@ class EngineCore:
         # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
         # launched, waited, end.
         self.step_observer: Any = None
+        # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
+        self.agree: Any = None
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)
@@ -199,6 +201,17 @@ class EngineCore:
         for req in self.requests.pop(request_id, []):
             self.outputs.pop(req, None)
 
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def dtype(self):
+        return self.runner.dtype
+
+    def graph_stats(self) -> dict:
+        return self.runner.graphs.stats.as_dict()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
@@ -228,7 +241,7 @@ class EngineCore:
         t0 = time.perf_counter()
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
-                out, on_launch=obs.launching if obs is not None else None)
+                out, on_launch=obs.launching if obs is not None else None, agree=self.agree)
             if obs is not None:
                 obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
             self.scheduler.launched(out)
@@ -241,6 +254,8 @@ class EngineCore:
             if self.spec_stats is not None:
                 self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded)
             launched = (out, pending)
+        elif self.agree is not None:
+            self.runner.idle(self.agree)
         if self._overlap:
             resolve, self._inflight = self._inflight, launched
         else:

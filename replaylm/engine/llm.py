@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from replaylm.config import EngineArgs
+from replaylm.distributed.driver import DataParallelEngine
 from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.engine.stats import EngineStats
@@ -18,20 +19,36 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """vLLM-style entry point. Keyword arguments are ``EngineArgs`` fields."""
+    """vLLM-style entry point. Keyword arguments are ``EngineArgs`` fields.
+
+    With ``data_parallel_size`` > 1 the engines run in worker processes
+    (``replaylm.distributed``); ``shutdown()``, leaving a ``with`` block or the interpreter's
+    exit ends them.
+    """
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = EngineCore(self.engine_args)
+        self.engine = _make_engine(self.engine_args)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         self = cls.__new__(cls)
         self.engine_args = args
-        self.engine = EngineCore(args)
+        self.engine = _make_engine(args)
         self._ids = itertools.count()
         return self
+
+    def shutdown(self) -> None:
+        """End the data-parallel workers, if any (a single engine holds no process)."""
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def model_config(self):
@@ -39,11 +56,11 @@ class LLM:
 
     @property
     def device(self):
-        return self.engine.runner.device
+        return self.engine.device
 
     @property
     def dtype(self):
-        return self.engine.runner.dtype
+        return self.engine.dtype
 
     @property
     def graph_mode(self) -> str:
@@ -57,8 +74,9 @@ class LLM:
 
     def graph_stats(self) -> dict:
         """Graph hits per mode and tier, real vs padded tokens, fallbacks and their reasons,
-        capture seconds and graph memory."""
-        return self.engine.runner.graphs.stats.as_dict()
+        capture seconds and graph memory; with data parallelism the ranks' sums, each rank's
+        under ``ranks``, and the tier agreement's steps, seconds, padding and dummy steps."""
+        return self.engine.graph_stats()
 
     def spec_stats(self) -> dict:
         """Speculative decoding: ``mean_accepted_length`` (accepted drafts per request per
@@ -152,6 +170,10 @@ class LLM:
         finally:
             bar.close()
         return [outputs[rid] for rid in order]
+
+
+def _make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
+    return DataParallelEngine(args) if args.data_parallel_size > 1 else EngineCore(args)
 
 
 def _is_conversation(x: Any) -> bool:

@@ -19,7 +19,7 @@ from replaylm.engine.prompt_logprobs import plan_prompt_logprobs
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.graphs.policy import Dispatch, GraphPolicy, attention_backend_name, resolve_mode
-from replaylm.graphs.runtime import GraphRuntime
+from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -250,9 +250,10 @@ class ModelRunner:
         self.sampler.admit(req)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None
-                ) -> tuple[PendingStep | None, Dispatch, int]:
+    def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None,
+                agree: Agree | None = None) -> tuple[PendingStep | None, Dispatch, int]:
         """Launch one step; returns the pending samples, the dispatch and the padded size.
+        ``agree``: data-parallel tier agreement (``GraphRuntime.dispatch``).
 
         Nothing here waits for the device: the samples are read later, from the
         ``PendingStep``. ``on_launch`` runs after the host-only work, right before the step's
@@ -267,10 +268,13 @@ class ModelRunner:
         self.buffers.update_block_tables(host)
         plan = plan_prompt_logprobs(out, self.device)
         if plan is None:
-            res = self.graphs.run(host)
+            res = self.graphs.run(host, agree)
             logits, greedy, batch = res.logits, res.greedy, res.batch
             dispatch, padded = res.dispatch, res.padded_tokens
         else:
+            if agree is not None:  # the other ranks run this step eagerly too
+                self.graphs.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode,
+                                     False, agree)
             logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan)
             greedy = None
         n = host.num_sampled
@@ -290,6 +294,11 @@ class ModelRunner:
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded
+
+    @torch.inference_mode()
+    def idle(self, agree: Agree) -> Dispatch:
+        """A data-parallel step with no work on this rank (``GraphRuntime.run_idle``)."""
+        return self.graphs.run_idle(agree)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled

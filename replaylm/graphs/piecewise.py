@@ -87,9 +87,9 @@ class PiecewiseGraphs:
             ) -> tuple[torch.Tensor, ForwardBatch]:
         """Replay ``tier``'s links with eager attention between them; returns the logits rows
         and the batch. With ``check``, each link is also run eagerly and compared."""
-        nreq = host.num_reqs
+        nreq = max(host.num_reqs, 1)  # an empty batch (a data-parallel dummy): one padded
         self.buffers.load(host, tier, nreq, host.num_sampled)
-        b = self.buffers.view(tier, nreq, host.num_sampled, max_q_len=host.max_q_len)
+        b = self.buffers.view(tier, nreq, host.num_sampled, max_q_len=max(host.max_q_len, 1))
         if self.host_attn_lengths:  # eager attention may read host lengths (torch reference)
             set_host_lengths(b.meta, host)
         self.buffers.gather_inputs(b)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,10 @@ from replaylm.model.llama import CausalLM
 from replaylm.sampling.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
+
+#: Data-parallel tier agreement: ``(num_tokens, num_reqs, uniform_decode, can_graph)`` of this
+#: rank's step in, the values every rank agreed on out (max, max, min, min).
+Agree = Callable[[int, int, bool, bool], tuple[int, int, bool, bool]]
 
 
 class PaddingLeakError(AssertionError):
@@ -49,6 +54,13 @@ class GraphStats:
     capture_seconds: float = 0.0
     graph_mib: float = 0.0
     checks: int = 0
+    # Data-parallel tier agreement (zero on a single engine): steps agreed, seconds spent in
+    # the agreement, tokens of padding it added (tier beyond what this rank alone would
+    # have run), and dummy steps ("mode:tier" -> steps) a rank with no work replayed.
+    agreement_steps: int = 0
+    agreement_seconds: float = 0.0
+    agreement_padded_tokens: int = 0
+    dummy_steps: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -63,6 +75,10 @@ class GraphStats:
             "streams": dict(self.streams), "forks": dict(self.forks),
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_mib": round(self.graph_mib, 1), "checks": self.checks,
+            "agreement_steps": self.agreement_steps,
+            "agreement_seconds": round(self.agreement_seconds, 6),
+            "agreement_padded_tokens": self.agreement_padded_tokens,
+            "dummy_steps": dict(self.dummy_steps),
         }
 
 
@@ -164,8 +180,47 @@ class GraphRuntime:
 
     # Steps -------------------------------------------------------------------------------
 
-    def run(self, host: HostBatch) -> StepResult:
-        d = self.policy.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode)
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                 can_graph: bool = True, agree: Agree | None = None) -> Dispatch:
+        """The policy's dispatch of this step; with ``agree`` (data parallel), of the values
+        every rank agreed on, so all ranks run the same mode and tier. ``can_graph=False``
+        (a step that must run eagerly) makes every rank run eagerly."""
+        if agree is None:
+            return self.policy.dispatch(num_tokens, num_reqs, uniform_decode)
+        s = self.stats
+        t0 = time.perf_counter()
+        tokens, reqs, uniform, graphable = agree(num_tokens, num_reqs, uniform_decode, can_graph)
+        s.agreement_seconds += time.perf_counter() - t0
+        s.agreement_steps += 1
+        if tokens == 0:
+            return Dispatch("eager")  # no rank has work
+        if not graphable:
+            return Dispatch("eager", reason="a data-parallel rank runs this step eagerly")
+        d = self.policy.dispatch(tokens, reqs, uniform)
+        if d.graphed and num_tokens:
+            own = self.policy.dispatch(num_tokens, num_reqs, uniform_decode)
+            s.agreement_padded_tokens += max(0, d.tier - (own.tier if own.graphed else num_tokens))
+        return d
+
+    def run_idle(self, agree: Agree) -> Dispatch:
+        """A data-parallel rank with no work: agree with the others and, when they replay a
+        graph, replay the same graph on an all-padding batch (never eagerly). An eager step
+        needs nothing from this rank."""
+        d = self.dispatch(0, 0, True, True, agree)
+        if not d.graphed:
+            return d
+        key = f"{d.mode}:{d.tier}"
+        self.stats.dummy_steps[key] = self.stats.dummy_steps.get(key, 0) + 1
+        self.stats.agreement_padded_tokens += d.tier
+        host = HostBatch.empty()
+        if d.mode == "piecewise":
+            self.piecewise.run(host, d.tier)
+        else:
+            self.whole.run(host, d.mode, d.tier)
+        return d
+
+    def run(self, host: HostBatch, agree: Agree | None = None) -> StepResult:
+        d = self.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode, True, agree)
         s = self.stats
         n = host.num_sampled
         if not d.graphed:

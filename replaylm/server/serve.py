@@ -66,6 +66,10 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
               f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
         return 2
+    if ns.data_parallel_size > 1:
+        print(f"--data-parallel-size={ns.data_parallel_size} is not served yet: the server "
+              "runs one engine (use LLM(..., data_parallel_size=N) offline)", file=sys.stderr)
+        return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     core = EngineCore(EngineArgs.from_cli_args(ns))
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,

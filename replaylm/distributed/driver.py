@@ -1,0 +1,250 @@
+"""``DataParallelEngine``: the driver of ``data_parallel_size`` worker processes.
+
+It offers what ``LLM`` uses of ``EngineCore`` (tokenize, validate, add_request, abort, step,
+has_unfinished, stats, graph_stats). Requests go to the rank with the least load (tokens of
+its running and waiting requests); every step the driver sends each rank one ``("step",)``
+and gathers the replies, so all ranks step together and meet in the tier agreement.
+
+A worker that exits, faults or does not answer within ``distributed_timeout_s`` makes the
+driver end every worker and raise ``DataParallelError`` naming the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import weakref
+from multiprocessing.connection import wait
+from pathlib import Path
+from time import monotonic
+
+import torch.multiprocessing as tmp
+
+from replaylm.config import EngineArgs
+from replaylm.distributed.worker import worker_main
+from replaylm.engine.core import EngineCore
+from replaylm.engine.loading import load_model_config, load_tokenizer
+from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.stats import EngineStats
+from replaylm.sampling_params import SamplingParams
+
+
+class DataParallelError(RuntimeError):
+    """A data-parallel worker died, failed or stopped answering."""
+
+
+class DataParallelEngine:
+    # Prompt handling needs only the model's config, the tokenizer and the settings, which
+    # the driver loads itself: the same methods as a single engine's.
+    tokenize = EngineCore.tokenize
+    validate = EngineCore.validate
+    spec_stats = None  # EngineArgs refuses speculative decoding with data parallelism
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.size = args.data_parallel_size
+        self.timeout_s = args.distributed_timeout_s
+        self.model_config, model_dir = load_model_config(args.model)
+        self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
+        self.tokenizer = load_tokenizer(args, model_dir)
+        ctx = tmp.get_context("spawn")
+        store_dir = tempfile.mkdtemp(prefix="replaylm-dp-")
+        init_method = (Path(store_dir) / "store").as_uri()
+        self.procs, self.conns = [], []
+        self._closed = False
+        self._grace_s = [5.0]  # how long workers get to exit when asked (shortened on a fault)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns,
+                                           store_dir, self._grace_s)
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"replaylm-dp-rank{rank}", daemon=True,
+                               args=(rank, self.size, init_method, args, child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        info = self._gather(range(self.size), "start")[0]
+        self.device, self.dtype = info["device"], info["dtype"]
+        self.graph_mode = info["graph_mode"]
+        self.load = [0] * self.size  # tokens of each rank's running + waiting requests
+        self.busy = [False] * self.size  # whether each rank has unfinished work
+        self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
+
+    # Requests ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.owner:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        rank = min(range(self.size), key=lambda r: (self.load[r], r))
+        status, value = self._call(rank, "add", request_id, ids, params)
+        if status == "invalid":
+            raise ValueError(value)
+        self.load[rank] = value
+        self.busy[rank] = True
+        self.owner[request_id] = [rank, params.n]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request on the rank that owns it; False if unknown or done."""
+        entry = self.owner.pop(request_id, None)
+        if entry is None or self._closed:  # after shutdown nothing runs any more
+            return False
+        return bool(self._call(entry[0], "abort", request_id)[1])
+
+    def has_unfinished(self) -> bool:
+        return any(self.busy)
+
+    def step(self) -> list[RequestDelta]:
+        """One step of every rank (ranks with no work take part in the tier agreement)."""
+        replies = self._gather(range(self.size), "step")
+        deltas: list[RequestDelta] = []
+        for rank, (rank_deltas, busy, load) in enumerate(replies):
+            self.busy[rank], self.load[rank] = busy, load
+            for d in rank_deltas:
+                entry = self.owner.get(d.request_id)
+                if d.finished and entry is not None:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self.owner[d.request_id]
+            deltas += rank_deltas
+        return deltas
+
+    # Statistics ----------------------------------------------------------------------------
+
+    def rank_stats(self) -> list[tuple[EngineStats, dict]]:
+        """Each rank's engine counters and graph statistics."""
+        return self._gather(range(self.size), "stats")
+
+    @property
+    def stats(self) -> EngineStats:
+        """The ranks' engine counters, summed (gauges too: running, waiting, KV blocks)."""
+        per_rank = [s for s, _ in self.rank_stats()]
+        total = EngineStats(graph_mode=self.graph_mode)
+        for f in dataclasses.fields(EngineStats):
+            values = [getattr(s, f.name) for s in per_rank]
+            if isinstance(values[0], int | float | dict) and not isinstance(values[0], bool):
+                setattr(total, f.name, _sum(values))
+        total.last_step = per_rank[0].last_step
+        return total
+
+    def graph_stats(self) -> dict:
+        """The ranks' graph statistics summed, and each rank's under ``ranks``."""
+        per_rank = [g for _, g in self.rank_stats()]
+        total = _sum(per_rank)
+        padded = total["padded_tokens"]
+        total["padding_share"] = round(1 - total["real_tokens"] / padded, 4) if padded else 0.0
+        for key in ("nodes", "streams", "forks"):  # per graph: every rank captured the same
+            total[key] = per_rank[0][key]
+        total["ranks"] = per_rank
+        return total
+
+    # Workers -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """End every worker (idempotent); no process is left behind."""
+        self._closed = True
+        self._finalizer()
+
+    def _call(self, rank: int, op: str, *args) -> tuple[str, object]:
+        self._send(rank, (op, *args))
+        return self._receive([rank], op)[rank]
+
+    def _gather(self, ranks, op: str) -> list:
+        ranks = list(ranks)
+        if op != "start":
+            for r in ranks:
+                self._send(r, (op,))
+        replies = self._receive(ranks, op)
+        return [replies[r][1] for r in ranks]
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        if self._closed:
+            raise DataParallelError("the data-parallel engine is shut down")
+        try:
+            self.conns[rank].send(msg)
+        except OSError as e:
+            self._fail(rank, f"cannot be reached ({e})")
+
+    def _receive(self, ranks: list[int], op: str) -> dict[int, tuple[str, object]]:
+        """One reply from each of ``ranks``, within ``distributed_timeout_s``; a worker that
+        exits or faults meanwhile is named at once."""
+        deadline = monotonic() + self.timeout_s
+        pending = {r for r in ranks}
+        replies: dict[int, tuple[str, object]] = {}
+        while pending:
+            left = deadline - monotonic()
+            if left <= 0:
+                late = sorted(pending)
+                self._fail(late, f"did not answer {op!r} within distributed_timeout_s="
+                           f"{self.timeout_s:g} s (one rank that hangs holds the others in "
+                           "the tier agreement)")
+            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel
+                                                           for r in pending]
+            wait(waitables, timeout=min(left, 1.0))
+            for r in sorted(pending):
+                conn = self.conns[r]
+                if conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        self._fail(r, self._exit_text(r))
+                    if msg[0] == "fault":
+                        self._fail(r, f"failed during {op!r}:\n{msg[1]}")
+                    replies[r] = msg
+                    pending.discard(r)
+                elif not self.procs[r].is_alive():
+                    self._fail(r, self._exit_text(r))
+        return replies
+
+    def _exit_text(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        return f"exited (exit code {proc.exitcode})"
+
+    def _fail(self, rank: int | list[int], what: str) -> None:
+        """End every worker and raise, naming the rank (or ranks) at fault."""
+        self._grace_s[0] = 0.5  # the others may be stuck in a collective with the failed rank
+        self.shutdown()
+        if isinstance(rank, list):
+            who = f"rank {rank[0]}" if len(rank) == 1 else f"ranks {rank}"
+        else:
+            who = f"rank {rank}"
+        raise DataParallelError(f"data-parallel {who} {what}")
+
+
+def _sum(values: list):
+    """Numbers summed; dicts summed key by key (recursively); anything else: the first."""
+    first = values[0]
+    if isinstance(first, dict):
+        keys = {k: None for v in values for k in v}
+        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return sum(values)
+    return first
+
+
+def _stop_workers(procs: list, conns: list, store_dir: str, grace_s: list[float]) -> None:
+    """Ask every worker to exit, then terminate and kill the ones still running."""
+    for proc, conn in zip(procs, conns):
+        if proc.is_alive():
+            try:
+                conn.send(("shutdown",))
+            except OSError:
+                pass
+    deadline = monotonic() + grace_s[0]
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=0.5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)
