@@ -307,11 +307,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU, built-in default model, tiny settings: checks the pipeline")
     p.add_argument("--in-process", action="store_true",
                    help="run the commands in this process instead of one process each")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"which commands to run (default: all of {','.join(PARTS)}); the "
+                   "section is rendered from every JSON found in --out")
     p.add_argument("--skip-run", action="store_true", help="only re-render from --out")
     ns = p.parse_args(argv)
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes takes a subset of {','.join(MODES)}")
+    parts = [x.strip() for x in ns.parts.split(",") if x.strip()]
+    if not parts or any(x not in PARTS for x in parts):
+        p.error(f"--parts takes a subset of {','.join(PARTS)}")
     model = ns.model or ("default" if ns.tiny else "llama3.2-1b")
     rates = ns.rates or ("20,inf" if ns.tiny else "16,64,inf")
     out, docs = Path(ns.out).resolve(), Path(ns.docs).resolve()
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                     ns.num_requests or (4 if ns.tiny else 256), ns.batch or (3 if ns.tiny else 256))
     if not ns.skip_run:
         out.mkdir(parents=True, exist_ok=True)
-        run(cmds, ns.in_process)
+        run({name: cmds[name] for name in parts}, ns.in_process)
     results = load(out)
     if not results:
         raise SystemExit(f"[strategy] no results in {out}")
