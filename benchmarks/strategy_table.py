@@ -79,8 +79,11 @@ def commands(model: str, modes: list[str], out: Path, tiny: bool, rates: str,
     }
 
 
-def run(cmds: dict[str, list[str]], in_process: bool) -> None:
-    """Run every command; stop at the first that fails."""
+def run(cmds: dict[str, list[str]], out: Path, in_process: bool) -> None:
+    """Run every command; stop at the first that fails. Each part's commit and date go into
+    ``out/meta.json``, so a later ``--skip-run`` still names the code that was measured."""
+    meta_path = out / "meta.json"
+    measured = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     for name, argv in cmds.items():
         print(f"[strategy] {name}: replaylm {' '.join(argv)}", flush=True)
         start = time.perf_counter()
@@ -95,6 +98,8 @@ def run(cmds: dict[str, list[str]], in_process: bool) -> None:
         if rc != 0:
             raise SystemExit(f"[strategy] {name} failed with exit code {rc}")
         print(f"[strategy] {name} took {time.perf_counter() - start:.1f} s", flush=True)
+        measured[name] = {"commit": _commit(), "date": datetime.date.today().isoformat()}
+        meta_path.write_text(json.dumps(measured, indent=1))
 
 
 def load(out: Path) -> dict[str, Any]:
@@ -202,12 +207,12 @@ def findings(d: dict[str, Any] | None, s: dict[str, Any] | None) -> list[str]:
             out.append(f"- Least padding at {d['big']} requests among graph modes: `{least[0]}` "
                        f"({100 * least[1]:.1f}% of the tokens its graphs ran).")
         graphs = {m: g for m, g in d["graphs"].items() if g and g.get("num_graphs")}
-        for key, what, fmt in (("num_graphs", "fewest graphs", "d"),
-                               ("capture_seconds", "shortest capture", ".2f"),
-                               ("graph_mib", "least graph memory", ".1f")):
+        for key, what, fmt, unit in (("num_graphs", "fewest graphs", "d", ""),
+                                     ("capture_seconds", "shortest capture", ".2f", " s"),
+                                     ("graph_mib", "least graph memory", ".1f", " MiB")):
             best = _best({m: g[key] for m, g in graphs.items()}, low=True)
             if best:
-                out.append(f"- {what.capitalize()}: `{best[0]}` ({best[1]:{fmt}}).")
+                out.append(f"- {what.capitalize()}: `{best[0]}` ({best[1]:{fmt}}{unit}).")
     if s:
         tok, itl = _best(s["tok"]), _best(s["itl"], low=True)
         if tok and itl:
@@ -325,12 +330,17 @@ def main(argv: list[str] | None = None) -> int:
                     ns.num_requests or (4 if ns.tiny else 256), ns.batch or (3 if ns.tiny else 256))
     if not ns.skip_run:
         out.mkdir(parents=True, exist_ok=True)
-        run({name: cmds[name] for name in parts}, ns.in_process)
+        run({name: cmds[name] for name in parts}, out, ns.in_process)
     results = load(out)
     if not results:
         raise SystemExit(f"[strategy] no results in {out}")
-    meta = {"model": model, "date": datetime.date.today().isoformat(), "commit": _commit(),
-            "tiny": "yes" if ns.tiny else "", "commands": list(cmds.values())}
+    measured = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    runs = [measured.get(name, {"commit": _commit(), "date": datetime.date.today().isoformat()})
+            for name in results]
+    meta = {"model": model, "date": max(r["date"] for r in runs),
+            "commit": ", ".join(dict.fromkeys(r["commit"] for r in runs)),
+            "tiny": "yes" if ns.tiny else "",
+            "commands": [cmds[name] for name in PARTS if name in results]}
     label = rate_label(float(ns.table_rate or rates.split(",")[0]))
     section = render(results, out, docs, meta, label)
     docs.write_text(replace_section(docs.read_text() if docs.exists() else "", section))

@@ -117,8 +117,10 @@ def _outermost(events: list[dict[str, Any]]) -> list[Span]:
 
 def step_spans(events: list[dict[str, Any]]) -> list[list[Span]]:
     """The spans of every marked step of a Chrome trace, in step order."""
-    marks = sorted((e for e in events if e.get("name") == STEP_MARK and e.get("ph") == "X"),
-                   key=lambda e: float(e["ts"]))
+    # Host ranges only: CUDA traces mirror each range on the GPU's timeline as a
+    # ``gpu_user_annotation``, which must not split the host's steps.
+    marks = sorted((e for e in events if e.get("name") == STEP_MARK and e.get("ph") == "X"
+                    and e.get("cat") == "user_annotation"), key=lambda e: float(e["ts"]))
     ranges = [(float(m["ts"]), float(m["ts"]) + float(m.get("dur", 0.0)), m.get("tid"))
               for m in marks]
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]

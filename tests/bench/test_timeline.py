@@ -52,6 +52,8 @@ def test_device_spans_belong_to_the_step_that_launched_them():
     # Step 0 (host 0-100) launches kernels 1 and 2; step 1 (host 100-200) launches a graph
     # (correlation 3) whose two kernels share its id. Kernels run later than their launches.
     events = [_mark(0, 100), _mark(100, 100)]
+    # The GPU-side mirrors of the step ranges (CUDA traces have them) are not steps.
+    events += [dict(_mark(ts, 30), cat="gpu_user_annotation") for ts in (115, 205)]
     launches = [(1, 10, "cudaLaunchKernel"), (2, 20, "cuLaunchKernelEx"), (3, 150, "cudaGraphLaunch")]
     for corr, ts, name in launches:
         cat = "cuda_runtime" if name.startswith("cuda") else "cuda_driver"

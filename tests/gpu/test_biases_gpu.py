@@ -34,7 +34,7 @@ def test_fused_kernels_with_biases_close_to_transformers(biased):
 
     ref = AutoModelForCausalLM.from_pretrained(str(biased), dtype=torch.bfloat16,
                                                attn_implementation="sdpa").to(DEV).eval()
-    model = bound_model(biased, make_attention_backend("triton", DEV), torch.bfloat16, DEV)
+    model = bound_model(biased, make_attention_backend("triton", DEV, "eager"), torch.bfloat16, DEV)
     model.use_fused_kernels(True)
     blocks = [3, 7, 1, 9]
     prompt = torch.randint(3, 256, (21,), generator=torch.Generator().manual_seed(1))
