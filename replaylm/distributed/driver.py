@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import threading
 import weakref
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -34,6 +35,16 @@ class DataParallelError(RuntimeError):
     """A data-parallel worker died, failed or stopped answering."""
 
 
+@dataclasses.dataclass(frozen=True)
+class AddedRequest:
+    """What ``add_request`` tells the caller of a request now on a rank (the server reads
+    ``num_prompt_tokens`` as from ``EngineCore.add_request``'s ``Request``)."""
+
+    request_id: str
+    rank: int
+    num_prompt_tokens: int
+
+
 class DataParallelEngine:
     # Prompt handling needs only the model's config, the tokenizer and the settings, which
     # the driver loads itself: the same methods as a single engine's.
@@ -52,6 +63,9 @@ class DataParallelEngine:
         store_dir = tempfile.mkdtemp(prefix="replaylm-dp-")
         init_method = (Path(store_dir) / "store").as_uri()
         self.procs, self.conns = [], []
+        # One exchange with the workers at a time: the server scrapes ``stats`` from its own
+        # thread while the engine thread steps.
+        self._lock = threading.RLock()
         self._closed = False
         self._grace_s = [5.0]  # how long workers get to exit when asked (shortened on a fault)
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns,
@@ -74,7 +88,7 @@ class DataParallelEngine:
     # Requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None) -> AddedRequest:
         params = params or SamplingParams()
         if request_id in self.owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -87,6 +101,7 @@ class DataParallelEngine:
         self.load[rank] = value
         self.busy[rank] = True
         self.owner[request_id] = [rank, params.n]
+        return AddedRequest(request_id, rank, len(ids))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request on the rank that owns it; False if unknown or done."""
@@ -150,15 +165,17 @@ class DataParallelEngine:
         self._finalizer()
 
     def _call(self, rank: int, op: str, *args) -> tuple[str, object]:
-        self._send(rank, (op, *args))
-        return self._receive([rank], op)[rank]
+        with self._lock:
+            self._send(rank, (op, *args))
+            return self._receive([rank], op)[rank]
 
     def _gather(self, ranks, op: str) -> list:
         ranks = list(ranks)
-        if op != "start":
-            for r in ranks:
-                self._send(r, (op,))
-        replies = self._receive(ranks, op)
+        with self._lock:
+            if op != "start":
+                for r in ranks:
+                    self._send(r, (op,))
+            replies = self._receive(ranks, op)
         return [replies[r][1] for r in ranks]
 
     def _send(self, rank: int, msg: tuple) -> None:

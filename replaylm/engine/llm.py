@@ -28,14 +28,14 @@ class LLM:
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = _make_engine(self.engine_args)
+        self.engine = make_engine(self.engine_args)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
         self = cls.__new__(cls)
         self.engine_args = args
-        self.engine = _make_engine(args)
+        self.engine = make_engine(args)
         self._ids = itertools.count()
         return self
 
@@ -172,7 +172,9 @@ class LLM:
         return [outputs[rid] for rid in order]
 
 
-def _make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
+def make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
+    """The engine ``args`` ask for: one ``EngineCore`` in this process, or the driver of
+    ``data_parallel_size`` worker processes (``LLM`` and ``replaylm serve`` both use it)."""
     return DataParallelEngine(args) if args.data_parallel_size > 1 else EngineCore(args)
 
 

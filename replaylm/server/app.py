@@ -71,7 +71,7 @@ def build_app(core: EngineCore, max_queue: int = 1024, served_model_name: str | 
     Request bodies above ``max_request_bytes`` are answered 413."""
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
-    metrics = ServerMetrics(core.stats, lambda: engine.in_flight)
+    metrics = ServerMetrics(lambda: core.stats, lambda: engine.in_flight)
     engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
     workers = PromptWorkers(core)
     with_logprobs = logprobs_supported()

@@ -1,7 +1,7 @@
 """Prometheus metrics (``GET /metrics``), all prefixed ``replaylm_``.
 
-Engine counters are read from ``EngineCore.stats`` at scrape time (a collector, so the engine
-never calls into Prometheus); latencies and finish reasons are observed by the engine loop as
+Engine counters are read from the engine's ``stats`` at scrape time (a collector, so the
+engine never calls into Prometheus; a data-parallel driver sums its ranks' then); latencies and finish reasons are observed by the engine loop as
 deltas go out. Each server gets its own registry, so several apps in one process (tests) never
 collide.
 """
@@ -26,12 +26,12 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 class _EngineStatsCollector(Collector):
     """Exports ``EngineStats`` as read at scrape time (plain attribute reads: no lock needed)."""
 
-    def __init__(self, stats: Any, in_flight: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], Any], in_flight: Callable[[], int]) -> None:
         self.stats = stats
         self.in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
+        s = self.stats()
         counters = {
             "requests_added": ("requests accepted by the engine", s.requests_added),
             "requests_rejected": ("requests the engine refused as invalid", s.requests_rejected),
@@ -113,7 +113,7 @@ def _spec_metrics(sp: Any) -> Iterator[Metric]:
 class ServerMetrics:
     """Per-server registry; implements the engine loop's ``LoopMetrics`` hooks."""
 
-    def __init__(self, stats: Any, in_flight: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], Any], in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats, in_flight))
         self._finished = Counter("replaylm_requests_finished", "requests finished, by reason",

@@ -55,7 +55,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"replaylm serve needs the server extra ({e.name} is missing): "
               "pip install 'replaylm[server]'", file=sys.stderr)
         return 1
-    from replaylm.engine.core import EngineCore
+    from replaylm.engine.llm import make_engine
 
     for flag, value in (("--max-queue", ns.max_queue), ("--max-request-bytes",
                                                          ns.max_request_bytes)):
@@ -66,12 +66,8 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
               f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
         return 2
-    if ns.data_parallel_size > 1:
-        print(f"--data-parallel-size={ns.data_parallel_size} is not served yet: the server "
-              "runs one engine (use LLM(..., data_parallel_size=N) offline)", file=sys.stderr)
-        return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    core = EngineCore(EngineArgs.from_cli_args(ns))
+    core = make_engine(EngineArgs.from_cli_args(ns))
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
                     max_request_bytes=ns.max_request_bytes)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
@@ -81,7 +77,12 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     server = GracefulServer(config, on_exit=lambda: _stop_accepting(app),
                             on_deadline=lambda: app.state.engine.cancel_all(reason),
                             deadline_s=ns.shutdown_timeout)
-    server.run()
+    try:
+        server.run()
+    finally:
+        shutdown = getattr(core, "shutdown", None)  # data parallel: end the worker processes
+        if shutdown is not None:
+            shutdown()
     if not server.started:
         return 1  # e.g. the port is taken: uvicorn has logged why
     log.info("replaylm serve stopped cleanly")
