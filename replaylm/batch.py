@@ -73,6 +73,9 @@ class HostBatch:
     # row), and the request's first sampled row (``spec.acceptance.emitted_rows``).
     draft_next: np.ndarray | None = None  # [L] int64
     seg_start: np.ndarray | None = None  # [L] int64
+    # Padding rows inside requests' segments (the ``padded`` verify layout), counted in
+    # ``num_tokens``; the graph statistics count them as padding.
+    layout_pad_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -75,7 +75,8 @@ class EngineCore:
         # last token each verify emitted, known on the host only after acceptance.
         spec = self.runner.spec
         self.drafter = make_drafter(spec) if spec is not None else None
-        self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
+        self.spec_stats = (SpecStats(spec.num_speculative_tokens, spec.budget, spec.verify)
+                           if spec else None)
         self.stats.spec = self.spec_stats
         self._overlap = args.overlap_scheduling and spec is None
         self._samples_at = 0.0
@@ -252,7 +253,8 @@ class EngineCore:
                 fallback_reason=dispatch.reason,
             ))
             if self.spec_stats is not None:
-                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded)
+                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded,
+                                              self.runner.layout_pad_tokens)
             launched = (out, pending)
         elif self.agree is not None:
             self.runner.idle(self.agree)
