@@ -297,6 +297,16 @@ class EngineCore:
             deltas.append(self._delta(req, delta))
         return deltas
 
+    def use_drafter(self, drafter: Any) -> None:
+        """Propose drafts with ``drafter`` (``spec.drafter.Drafter``) from the next step on,
+        in place of the one ``speculative_config`` named; the rest of the configuration
+        (``num_speculative_tokens``, budget, verify layout) stays. Benchmarks use it for
+        drafters with a known acceptance rate (``replaylm.bench.spec``)."""
+        if self.drafter is None:
+            raise ValueError("use_drafter needs speculative decoding on "
+                             "(EngineArgs.speculative_config)")
+        self.drafter = drafter
+
     def _propose_drafts(self) -> None:
         """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
 
