@@ -309,16 +309,13 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
-
-        Requests with penalties get none: their penalties count the outputs before each
-        sampled row, and the rows of a verify would not see the drafts before them.
-        """
+        Penalties apply per output position in a verify (each row counts the drafts before
+        it), so requests with penalties draft too."""
         k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
         reqs = []
         for r in self.scheduler.running:
             r.draft_tokens = []
-            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens \
-                    and not r.sampling_params.uses_penalties:
+            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens:
                 reqs.append(r)
         room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
         for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]

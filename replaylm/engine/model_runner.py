@@ -296,8 +296,14 @@ class ModelRunner:
 
             def host_view(tokens: torch.Tensor) -> torch.Tensor:
                 return torch.where(emitted_rows(tokens, draft_next, seg_start), tokens, -1)
+        draft_counts = None
+        if host.draft_count_rows is not None:  # penalties see the drafts before each row
+            draft_counts = (
+                torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
+                torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
-                                   host.sample_slots.tolist(), plan, greedy, host_view)
+                                   host.sample_slots.tolist(), plan, greedy, host_view,
+                                   draft_counts)
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded

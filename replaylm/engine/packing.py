@@ -42,6 +42,8 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
     out_pos: list[int] = []
     draft_next: list[int] = []
     seg_start: list[int] = []
+    pen_rows: list[int] = []  # penalties: (sampled row, draft before it) pairs
+    pen_tokens: list[int] = []
     verify = False
     pad_to = pad_verify_to if any(sr.drafts and sr.sample for sr in out.scheduled) else 0
     layout_pad = 0
@@ -102,6 +104,10 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
             draft_next.extend(drafts)
             draft_next.append(-1)
             seg_start.extend([first] * (k + 1))
+            if req.sampling_params.uses_penalties:  # row j also counts drafts 0 .. j-1
+                for j in range(1, k + 1):
+                    pen_rows.extend([first + j] * j)
+                    pen_tokens.extend(drafts[:j])
         elif sr.sample:
             req.device_token_slot = req.slot  # the sampler writes last_token[slot]
             seg_start.append(len(logits_idx))
@@ -127,4 +133,6 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
         draft_next=np.asarray(draft_next, dtype=i64) if verify else None,
         seg_start=np.asarray(seg_start, dtype=i64) if verify else None,
         layout_pad_tokens=layout_pad,
+        draft_count_rows=np.asarray(pen_rows, dtype=i64) if pen_rows else None,
+        draft_count_tokens=np.asarray(pen_tokens, dtype=i64) if pen_rows else None,
     )
