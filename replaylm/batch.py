@@ -73,6 +73,13 @@ class HostBatch:
     # row), and the request's first sampled row (``spec.acceptance.emitted_rows``).
     draft_next: np.ndarray | None = None  # [L] int64
     seg_start: np.ndarray | None = None  # [L] int64
+    # Padding rows inside requests' segments (the ``padded`` verify layout), counted in
+    # ``num_tokens``; the graph statistics count them as padding.
+    layout_pad_tokens: int = 0
+    # Verify rows of requests with penalties: row ``draft_count_rows[i]`` counts token
+    # ``draft_count_tokens[i]`` (a draft before it) as an output when penalised.
+    draft_count_rows: np.ndarray | None = None  # [P] int64
+    draft_count_tokens: np.ndarray | None = None  # [P] int64
 
     @property
     def num_tokens(self) -> int:

@@ -217,3 +217,92 @@ def step_timeline(timelines: Sequence[Timeline | dict[str, Any]], path: str | Pa
                                                         "device" else "operator"))
     fig.suptitle(title or "One decode step: busy (bars) and launch gaps (red)")
     return _save(fig, path)
+
+
+def spec_verify(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> str:
+    """``bench spec`` (a): verify-step time (top) and padded waste (bottom) against batch
+    size, one line per verify layout, one column per draft-length distribution."""
+    ver = [r for r in rows if r["part"] == "verify"]
+    dists = list(dict.fromkeys(r["distribution"] for r in ver))
+    fig = Figure(figsize=(5 * len(dists), 7))
+    axes = fig.subplots(2, len(dists), squeeze=False)
+    layouts = list(dict.fromkeys(r["layout"] for r in ver))
+    colors = {"ragged": MODE_COLORS["ragged"], "padded": MODE_COLORS["full"],
+              "eager": MODE_COLORS["eager"]}
+    for j, dist in enumerate(dists):
+        for i, layout in enumerate(layouts):
+            pts = sorted((r["batch"], r["step_ms_median"], 100 * r["padded_waste"])
+                         for r in ver if r["layout"] == layout and r["distribution"] == dist)
+            b, ms, waste = zip(*pts)
+            color = colors.get(layout, PALETTE[i % len(PALETTE)])
+            axes[0][j].plot(b, ms, marker="o", color=color, label=layout)
+            axes[1][j].plot(b, waste, marker="s", color=color, label=layout)
+        batches = sorted({r["batch"] for r in ver})
+        for ax in (axes[0][j], axes[1][j]):
+            if len(batches) > 1:
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(x) for x in batches])
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        k = ver[0]["k"]
+        axes[0][j].set_title(f"{dist} draft lengths (K={k})")
+        axes[0][j].set_ylabel("verify step, median ms")
+        axes[1][j].set_ylabel("padded waste, % of tokens run")
+        axes[1][j].set_xlabel("batch (decoding requests)")
+    fig.suptitle(title or "Verify step by layout")
+    return _save(fig, path)
+
+
+def spec_acceptance(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> str:
+    """``bench spec`` (b): speedup over plain decoding against the per-token acceptance
+    rate, one line per configuration (fixed K, adaptive), one panel per batch size."""
+    acc = [r for r in rows if r["part"] == "acceptance" and r.get("p") is not None
+           and r.get("speedup")]
+    batches = sorted({r["batch"] for r in acc})
+    fig = Figure(figsize=(5.5 * len(batches), 4.5))
+    axes = fig.subplots(1, len(batches), squeeze=False)[0]
+    for ax, bs in zip(axes, batches):
+        for i, cfg in enumerate(dict.fromkeys(r["config"] for r in acc)):
+            pts = sorted((r["p"], r["speedup"]) for r in acc
+                         if r["config"] == cfg and r["batch"] == bs)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=PALETTE[i % len(PALETTE)]
+                        if not cfg.startswith("adaptive") else "#d62728", label=cfg)
+        ax.axhline(1.0, color="#7f7f7f", linestyle="--", linewidth=1, label="plain")
+        ax.set_xlabel("per-token acceptance p (controlled drafter)")
+        ax.set_ylabel("tok/s ÷ plain tok/s")
+        ax.set_title(f"batch {bs}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "Speedup against acceptance")
+    return _save(fig, path)
+
+
+def spec_drafters(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> str:
+    """``bench spec`` (c) and (d): speedup over plain decoding per drafter configuration
+    (bars), grouped by batch size; each bar labelled with its acceptance rate."""
+    sel = [r for r in rows if r["part"] in ("ngram", "draft") and r.get("speedup")
+           and r.get("config") != "plain"]
+    labels = list(dict.fromkeys(f"{r['part']} {r['config']}" for r in sel))
+    batches = sorted({r["batch"] for r in sel})
+    fig = Figure(figsize=(max(6, 1.6 * len(labels) * max(1, len(batches))), 4.5))
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(batches))
+    for j, bs in enumerate(batches):
+        for i, label in enumerate(labels):
+            r = next((r for r in sel if f"{r['part']} {r['config']}" == label
+                      and r["batch"] == bs), None)
+            if r is None:
+                continue
+            x = i + (j - (len(batches) - 1) / 2) * width
+            ax.bar(x, r["speedup"], width, color=PALETTE[j % len(PALETTE)],
+                   label=f"batch {bs}" if i == 0 else None)
+            ax.annotate(f"acc {r.get('acceptance_rate', 0):.2f}", (x, r["speedup"]),
+                        ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="#7f7f7f", linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("tok/s ÷ plain tok/s")
+    ax.set_title(title or "Drafters against plain decoding")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -1,4 +1,5 @@
-"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and ``bench decode|serve|startup``.
+"""``replaylm`` subcommands: ``generate``, ``demo``, ``serve`` and
+``bench decode|serve|spec|startup``.
 
 Engine flags come from :meth:`EngineArgs.add_cli_args`, so every command spells them as
 ``LLM(...)`` does. The engine is imported only when a command runs, so ``--help`` stays fast.
@@ -131,6 +132,10 @@ BENCHES: dict[str, tuple[str, str]] = {
               "Replay requests (Poisson arrivals at one or more rates, or a JSONL trace) "
               "against engines in this process or a running server (--base-url); report "
               "latency percentiles, throughput and goodput under an SLO."),
+    "spec": ("speculative decoding: verify layouts, speedup against acceptance, drafters",
+             "Time verify steps per layout (ragged, padded, eager), measure tok/s against a "
+             "controlled acceptance rate (fixed K and the adaptive budget), and run the "
+             "n-gram and draft-model drafters against plain decoding."),
     "startup": ("cold and warm engine start, split into phases (seconds and MiB)",
                 "Start engines in fresh processes, cold (empty caches) and warm, and split "
                 "each start into weights, kernel tuning, KV sizing, capture and the rest."),
@@ -174,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: decode, serve, startup",
+    bench = sub.add_parser("bench", help="benchmarks: decode, serve, spec, startup",
                            description="Benchmarks that follow the measurement protocol of "
                            "docs/benchmarks.md.")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")

@@ -75,7 +75,8 @@ class EngineCore:
         # last token each verify emitted, known on the host only after acceptance.
         spec = self.runner.spec
         self.drafter = make_drafter(spec) if spec is not None else None
-        self.spec_stats = SpecStats(spec.num_speculative_tokens, spec.budget) if spec else None
+        self.spec_stats = (SpecStats(spec.num_speculative_tokens, spec.budget, spec.verify)
+                           if spec else None)
         self.stats.spec = self.spec_stats
         self._overlap = args.overlap_scheduling and spec is None
         self._samples_at = 0.0
@@ -252,7 +253,8 @@ class EngineCore:
                 fallback_reason=dispatch.reason,
             ))
             if self.spec_stats is not None:
-                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded)
+                self.spec_stats.record_launch(out.scheduled, out.num_batched_tokens, padded,
+                                              self.runner.layout_pad_tokens)
             launched = (out, pending)
         elif self.agree is not None:
             self.runner.idle(self.agree)
@@ -295,18 +297,25 @@ class EngineCore:
             deltas.append(self._delta(req, delta))
         return deltas
 
+    def use_drafter(self, drafter: Any) -> None:
+        """Propose drafts with ``drafter`` (``spec.drafter.Drafter``) from the next step on,
+        in place of the one ``speculative_config`` named; the rest of the configuration
+        (``num_speculative_tokens``, budget, verify layout) stays. Benchmarks use it for
+        drafters with a known acceptance rate (``replaylm.bench.spec``)."""
+        if self.drafter is None:
+            raise ValueError("use_drafter needs speculative decoding on "
+                             "(EngineArgs.speculative_config)")
+        self.drafter = drafter
+
     def _propose_drafts(self) -> None:
         """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
-
-        Requests with penalties get none: their penalties count the outputs before each
-        sampled row, and the rows of a verify would not see the drafts before them.
-        """
+        Penalties apply per output position in a verify (each row counts the drafts before
+        it), so requests with penalties draft too."""
         k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
         reqs = []
         for r in self.scheduler.running:
             r.draft_tokens = []
-            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens \
-                    and not r.sampling_params.uses_penalties:
+            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens:
                 reqs.append(r)
         room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
         for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]

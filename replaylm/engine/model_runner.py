@@ -118,6 +118,7 @@ class ModelRunner:
         )
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
+        self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
         self._warm_sampler()
         self.tune_seconds = self._tune_kernels()
         self.graphs.capture()
@@ -259,16 +260,22 @@ class ModelRunner:
         ``PendingStep``. ``on_launch`` runs after the host-only work, right before the step's
         first device operation (the profiler's start event).
         """
-        host = build_host_batch(out, self.max_blocks_per_req)
+        spec = self.spec
+        pad_to = spec.num_speculative_tokens + 1 if spec and spec.verify == "padded" else 0
+        host = build_host_batch(out, self.max_blocks_per_req, pad_to, self.max_model_len)
+        self.layout_pad_tokens = host.layout_pad_tokens  # the latest step's (spec stats)
         if on_launch is not None:
             on_launch()
         for req in out.newly_slotted:
             self.admit(req)
         self.sampler.flush()
         self.buffers.update_block_tables(host)
-        plan = plan_prompt_logprobs(out, self.device)
+        plan = plan_prompt_logprobs(out, self.device,
+                                    host.cu_seqlens_q if host.layout_pad_tokens else None)
         if plan is None:
-            res = self.graphs.run(host, agree)
+            eager = (spec is not None and spec.verify == "eager" and host.draft_next is not None
+                     and self.policy.mode != "eager")
+            res = self.graphs.run(host, agree, "speculative_config verify=eager" if eager else None)
             logits, greedy, batch = res.logits, res.greedy, res.batch
             dispatch, padded = res.dispatch, res.padded_tokens
         else:
@@ -289,8 +296,14 @@ class ModelRunner:
 
             def host_view(tokens: torch.Tensor) -> torch.Tensor:
                 return torch.where(emitted_rows(tokens, draft_next, seg_start), tokens, -1)
+        draft_counts = None
+        if host.draft_count_rows is not None:  # penalties see the drafts before each row
+            draft_counts = (
+                torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
+                torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
-                                   host.sample_slots.tolist(), plan, greedy, host_view)
+                                   host.sample_slots.tolist(), plan, greedy, host_view,
+                                   draft_counts)
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded

@@ -8,8 +8,15 @@ from replaylm.batch import BLOCK_SIZE, HostBatch
 from replaylm.engine.scheduler import SchedulerOutput
 
 
-def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
+def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int = 0,
+                     max_model_len: int | None = None) -> HostBatch:
     """Front-pack the scheduled requests on the host.
+
+    ``pad_verify_to`` (the ``padded`` verify layout: ``num_speculative_tokens + 1``): in a
+    step where some request verifies drafts, every decoding request's query rows are padded
+    to that many tokens. Padding rows sit after the request's real tokens, at the next
+    positions (below ``max_model_len``), write the scratch block 0 and are never sampled: the
+    real rows attend causally and never see them. ``HostBatch.layout_pad_tokens`` counts them.
 
     A token that is the request's latest sample is not taken from the host: it is gathered on
     the device from ``last_token[slot]``, where the sampler left it, so building step N+1 never
@@ -35,7 +42,11 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
     out_pos: list[int] = []
     draft_next: list[int] = []
     seg_start: list[int] = []
+    pen_rows: list[int] = []  # penalties: (sampled row, draft before it) pairs
+    pen_tokens: list[int] = []
     verify = False
+    pad_to = pad_verify_to if any(sr.drafts and sr.sample for sr in out.scheduled) else 0
+    layout_pad = 0
     # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
     # loop is per-step host time, and small numpy arrays per request cost more than they save.
     for sr in out.scheduled:
@@ -69,9 +80,17 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
             b = np.asarray(blocks, dtype=np.int64)
             positions.extend(range(start, end))
             slots.extend((b[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).tolist())
+        pad = 0
+        if pad_to and sr.sample and n == 1 + len(drafts):  # a decoding request
+            pad = max(0, min(pad_to - n, (max_model_len or end + pad_to) - end))
+            ids.extend([0] * pad)
+            positions.extend(range(end, end + pad))
+            slots.extend([0] * pad)  # the scratch block
+            layout_pad += pad
         cu.append(len(ids))
-        kv_lens.append(end)
+        kv_lens.append(end + pad)
         req_slots.append(req.slot)
+        real_end = len(ids) - pad
         if sr.sample and drafts:
             # k + 1 rows sample output positions num_generated .. + k; the request's next
             # input is resolved on the host (its last_token entry holds any of the rows).
@@ -79,16 +98,20 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
             req.device_token_slot = -1
             k = len(drafts)
             first = len(logits_idx)
-            logits_idx.extend(range(len(ids) - k - 1, len(ids)))
+            logits_idx.extend(range(real_end - k - 1, real_end))
             sample_slots.extend([req.slot] * (k + 1))
             out_pos.extend(range(req.num_generated, req.num_generated + k + 1))
             draft_next.extend(drafts)
             draft_next.append(-1)
             seg_start.extend([first] * (k + 1))
+            if req.sampling_params.uses_penalties:  # row j also counts drafts 0 .. j-1
+                for j in range(1, k + 1):
+                    pen_rows.extend([first + j] * j)
+                    pen_tokens.extend(drafts[:j])
         elif sr.sample:
             req.device_token_slot = req.slot  # the sampler writes last_token[slot]
             seg_start.append(len(logits_idx))
-            logits_idx.append(len(ids) - 1)
+            logits_idx.append(real_end - 1)
             sample_slots.append(req.slot)
             out_pos.append(req.num_generated)
             draft_next.append(-1)
@@ -109,4 +132,7 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int) -> HostBatch:
         sample_out_pos=np.asarray(out_pos, dtype=i64),
         draft_next=np.asarray(draft_next, dtype=i64) if verify else None,
         seg_start=np.asarray(seg_start, dtype=i64) if verify else None,
+        layout_pad_tokens=layout_pad,
+        draft_count_rows=np.asarray(pen_rows, dtype=i64) if pen_rows else None,
+        draft_count_tokens=np.asarray(pen_tokens, dtype=i64) if pen_rows else None,
     )

@@ -9,21 +9,28 @@ preemption never scores a token twice; chunked prefill scores each chunk as it r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.sampling.step import PromptLogprobPlan
 
 
-def plan_prompt_logprobs(out: SchedulerOutput, device: torch.device) -> PromptLogprobPlan | None:
-    """The step's prompt-logprob rows, or ``None`` when no scheduled request needs any."""
+def plan_prompt_logprobs(out: SchedulerOutput, device: torch.device,
+                         cu_seqlens_q: Sequence[int] | None = None) -> PromptLogprobPlan | None:
+    """The step's prompt-logprob rows, or ``None`` when no scheduled request needs any.
+    ``cu_seqlens_q``: where each request's rows start in the packed batch (default: the
+    requests' tokens end to end; given when the layout pads requests)."""
     rows: list[int] = []
     targets: list[int] = []
     ks: list[int] = []
     spans = []
     base = 0
-    for sr in out.scheduled:
+    for i, sr in enumerate(out.scheduled):
         req, start, n = sr.request, sr.start, sr.num_new_tokens
+        if cu_seqlens_q is not None:
+            base = int(cu_seqlens_q[i])
         k = req.prompt_logprobs_k
         if k is not None:
             first = max(start, len(req.prompt_logprobs))

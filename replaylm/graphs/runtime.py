@@ -219,8 +219,14 @@ class GraphRuntime:
             self.whole.run(host, d.mode, d.tier)
         return d
 
-    def run(self, host: HostBatch, agree: Agree | None = None) -> StepResult:
-        d = self.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode, True, agree)
+    def run(self, host: HostBatch, agree: Agree | None = None,
+            eager_reason: str | None = None) -> StepResult:
+        """Run one step; ``eager_reason``: the step must run without a graph, and why."""
+        if eager_reason is not None and agree is None:
+            d = Dispatch("eager", reason=eager_reason)
+        else:
+            d = self.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode,
+                              eager_reason is None, agree)
         s = self.stats
         n = host.num_sampled
         if not d.graphed:
@@ -231,7 +237,7 @@ class GraphRuntime:
             return StepResult(logits, greedy, batch, d, host.num_tokens)
         key = f"{d.mode}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
-        s.real_tokens += host.num_tokens
+        s.real_tokens += host.num_tokens - host.layout_pad_tokens
         s.padded_tokens += d.tier
         self.graph_steps += 1
         check = None

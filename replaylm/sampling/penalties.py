@@ -153,11 +153,15 @@ class LogitsProcessorState:
     # Device side -----------------------------------------------------------------------------
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, out_pos: torch.Tensor,
-              temperature: torch.Tensor, slots_cpu: list[int]) -> torch.Tensor:
+              temperature: torch.Tensor, slots_cpu: list[int],
+              draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Processed fp32 logits ``[L, V]`` (a new tensor; ``logits`` is left as it was).
 
         ``temperature`` is ``SamplingState.temperature`` (per slot). Host flags from
         ``slots_cpu`` only choose which parts run; the per-row math never reads the host.
+        ``draft_counts`` ``(rows, tokens)``: in a verify, row ``rows[i]`` also counts
+        ``tokens[i]`` (a draft before it) as an output, so each row is penalised as plain
+        decoding penalises its output position.
         """
         x = logits.float().clone()
         if any(self._min_tokens[s] for s in slots_cpu):
@@ -172,6 +176,10 @@ class LogitsProcessorState:
         if any(self._penalty[s] for s in slots_cpu):
             assert self.output_counts is not None and self.prompt_mask is not None
             counts = self.output_counts.index_select(0, slots)
+            if draft_counts is not None:
+                rows, toks = draft_counts
+                counts.index_put_((rows, toks), torch.ones_like(rows, dtype=counts.dtype),
+                                  accumulate=True)
             seen_out = counts > 0
             seen = seen_out | self.prompt_mask.index_select(0, slots)
             rep = self.repetition.index_select(0, slots)[:, None]
@@ -185,9 +193,12 @@ class LogitsProcessorState:
             x.masked_fill_(x < floor[:, None], -math.inf)
         return x
 
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor, slots_cpu: list[int]) -> None:
-        """Count the step's sampled tokens into the slots' output statistics (device only)."""
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor, slots_cpu: list[int],
+               emitted: torch.Tensor | None = None) -> None:
+        """Count the step's sampled tokens into the slots' output statistics (device only);
+        ``emitted`` (a verify): only the rows it marks become outputs."""
         if self.output_counts is None or not slots_cpu:
             return
-        ones = torch.ones(tokens.shape, dtype=torch.int32, device=self.device)
+        ones = (torch.ones(tokens.shape, dtype=torch.int32, device=self.device)
+                if emitted is None else emitted.to(torch.int32))
         self.output_counts.index_put_((slots, tokens), ones, accumulate=True)

@@ -130,14 +130,17 @@ class StepSampler:
     def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
             slots_cpu: list[int], plan: PromptLogprobPlan | None,
             greedy: torch.Tensor | None = None,
-            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingStep:
+            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingStep:
         """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
 
         ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
         batch of greedy requests with no logit processing takes it as is, with no kernel here.
         Returns the step's results with their host copies started (CUDA: pinned memory,
         non-blocking, one event recorded after all of them). ``host_view``, when given, maps
-        the sampled tokens to what the host receives (a verify step's acceptance).
+        the sampled tokens to what the host receives (a verify step's acceptance): only
+        those rows count as outputs for the penalties. ``draft_counts``: ``(rows, tokens)``,
+        draft tokens each verify row's penalties count as earlier outputs.
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
@@ -149,14 +152,17 @@ class StepSampler:
             x = raw
             if procs_active:
                 x = self.procs.apply(raw, sample_slots, sample_out_pos, self.state.temperature,
-                                     slots_cpu)
+                                     slots_cpu, draft_counts)
             tokens = sample(
                 x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
                 need_filter=self.state.needs_filter(slots_cpu),
             )
-            self.procs.record(sample_slots, tokens, slots_cpu)
         else:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        shown = tokens if host_view is None else host_view(tokens)
+        if num_sampled and tokens is not greedy:
+            self.procs.record(sample_slots, tokens, slots_cpu,
+                              None if host_view is None else shown >= 0)
         ks = [self._logprobs_k[s] for s in slots_cpu]
         sample_lp = None
         if any(k is not None for k in ks):
@@ -167,7 +173,6 @@ class StepSampler:
         pin = self.device.type == "cuda"
         # Off CUDA there is no copy to the host: keep a snapshot, since ``tokens`` may be a
         # graph's output that the next step (launched before this one is read) overwrites.
-        shown = tokens if host_view is None else host_view(tokens)
         host_tokens = shown if pin else shown.clone()
         event = None
         if pin:

@@ -14,6 +14,8 @@ METHODS = ("ngram",)
 #: Methods the issue names that this engine does not run yet (a clear error, not a fallback).
 PLANNED_METHODS = ("draft_model",)
 BUDGETS = ("fixed", "adaptive")
+#: How a verify step is laid out and run (``SpecConfig.verify``).
+VERIFY_LAYOUTS = ("ragged", "padded", "eager")
 
 FIELD = "EngineArgs.speculative_config"
 
@@ -24,13 +26,19 @@ class SpecConfig:
     verifies per step. ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes the
     ``ngram`` drafter matches. ``budget``: ``fixed`` drafts up to ``num_speculative_tokens``
     whenever the drafter has them; ``adaptive`` chooses per step from measured step costs
-    and acceptance estimates (``spec.adaptive``)."""
+    and acceptance estimates (``spec.adaptive``). ``verify``: how a step with drafts runs:
+    ``ragged`` front-packs every request's real tokens and dispatches the total like any
+    step (a token tier's graph); ``padded`` lays every decoding request out as
+    ``num_speculative_tokens + 1`` query tokens (the uniform layout, keyed by request count
+    × (k + 1)), its padding rows writing the scratch block and sampling nothing; ``eager``
+    runs verify steps without graphs. The three emit the same tokens."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     budget: str = "fixed"
+    verify: str = "ragged"
 
     @classmethod
     def from_dict(cls, d: Any) -> SpecConfig:
@@ -63,6 +71,9 @@ class SpecConfig:
         if cfg.budget not in BUDGETS:
             raise ValueError(f"{FIELD}['budget']={cfg.budget!r} is invalid: choose one of "
                              f"{list(BUDGETS)}")
+        if cfg.verify not in VERIFY_LAYOUTS:
+            raise ValueError(f"{FIELD}['verify']={cfg.verify!r} is invalid: choose one of "
+                             f"{list(VERIFY_LAYOUTS)}")
         return cfg
 
     def check_fits(self, max_num_batched_tokens: int, top_tier: int) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 class SpecStats:
     num_speculative_tokens: int = 0  # the budget: most drafts a request verifies per step
     budget: str = "fixed"
+    verify: str = "ragged"  # the verify layout (``SpecConfig.verify``)
     steps: int = 0  # steps launched with speculation on
     verify_steps: int = 0  # steps in which at least one request verified drafts
     verifies: int = 0  # (request, step) pairs that verified at least one draft
@@ -18,9 +19,14 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts accepted
     verify_step_tokens: int = 0  # real tokens of verify steps
     verify_step_padded_tokens: int = 0  # the same steps' tokens as run (padded to a tier)
+    layout_pad_tokens: int = 0  # of those, rows the ``padded`` layout added inside requests
+    rejections: int = 0  # verifies that ended at a rejected draft (the rest accepted all)
     budget_tokens: int = 0  # adaptive budget: draft tokens it allowed, summed over steps
 
-    def record_launch(self, scheduled: Sequence[Any], real: int, padded: int) -> None:
+    def record_launch(self, scheduled: Sequence[Any], real: int, padded: int,
+                      layout_pad: int = 0) -> None:
+        """A launched step of ``real`` scheduled tokens run as ``padded`` tokens, of which
+        ``layout_pad`` are the padded verify layout's rows."""
         self.steps += 1
         drafts = sum(len(s.drafts) for s in scheduled)
         if not drafts:
@@ -30,6 +36,7 @@ class SpecStats:
         self.draft_tokens += drafts
         self.verify_step_tokens += real
         self.verify_step_padded_tokens += padded
+        self.layout_pad_tokens += layout_pad
 
     def record_resolve(self, scheduled: Sequence[Any], sampled: Sequence[int]
                        ) -> list[tuple[Any, int, int]]:
@@ -43,6 +50,7 @@ class SpecStats:
             if k:
                 a = sum(1 for t in sampled[row + 1: row + k + 1] if t >= 0)
                 self.accepted_tokens += a
+                self.rejections += a < k
                 verified.append((s.request, k, a))
             row += k + 1
         return verified
@@ -52,10 +60,15 @@ class SpecStats:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
             "budget": self.budget,
+            "verify": self.verify,
             "steps": self.steps,
             "verify_steps": self.verify_steps,
             "mean_accepted_length": self.accepted_tokens / max(1, self.verifies),
             "acceptance_rate": self.accepted_tokens / max(1, self.draft_tokens),
+            # Per draft token, given the drafts before it were accepted: accepted ÷ (accepted
+            # + rejected) drafts (drafts after a rejection are never tried).
+            "per_token_acceptance": self.accepted_tokens
+            / max(1, self.accepted_tokens + self.rejections),
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "draft_tokens_per_step": self.draft_tokens / v,
@@ -64,4 +77,8 @@ class SpecStats:
             if self.budget == "adaptive" else self.num_speculative_tokens,
             "padded_waste": 1 - self.verify_step_tokens / self.verify_step_padded_tokens
             if self.verify_step_padded_tokens else 0.0,
+            "verify_step_tokens": self.verify_step_tokens,
+            "verify_step_padded_tokens": self.verify_step_padded_tokens,
+            "layout_pad_tokens": self.layout_pad_tokens,
+            "rejections": self.rejections,
         }
