@@ -230,3 +230,18 @@ def test_candidates_drop_copies_made_by_capping_block_k(kernels):
     assert tuner.candidates(3, 4096) == skinny.candidate_configs(4, 4096)  # 3 rows: the 4-row tiles
     assert tuner.candidates(8, 64) == [(8, 2, 64, 4), (8, 4, 64, 4), (8, 4, 64, 8), (8, 8, 64, 4)]
     assert len(tuner.candidates(1, 64)) == len(set(skinny.candidate_configs(1, 64)))
+
+
+def test_tuning_settings(kernels):
+    """``EngineArgs.tuning_compile_threads``: 0 picks one thread per core (at most 16), a
+    negative or non-integer count is refused naming the field; the shipped table is on by
+    default."""
+    from replaylm.config import EngineArgs
+
+    args = EngineArgs()
+    assert args.shipped_tuning_table is True and args.tuning_compile_threads == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="tuning_compile_threads"):
+            EngineArgs(tuning_compile_threads=bad)
+    assert kernels.tuner.compile_threads(3) == 3
+    assert 1 <= kernels.tuner.compile_threads(0) <= 16
