@@ -14,6 +14,9 @@ user cache that start wrote to ``OUT/<model>.linear_tuning.json`` and writes
 ``OUT/measure.json`` (each start's seconds and decisions). Every engine flag applies (e.g.
 ``--pdl off`` for the decisions made without PDL).
 
+``winners`` counts, per row-block size, how often each tile (or the unfused path) won in
+measured caches or tables: data for pruning ``skinny.CANDIDATES``.
+
 ``build`` reads measured caches, keeps the entries made for this checkout's kernel revision
 (``kernels.tuner.kernels_revision``: entries from other kernel sources would never be used),
 and writes one table per GPU model named in them, merged with that table's current entries:
@@ -147,6 +150,30 @@ def build(paths: Sequence[Path], table_dir: Path, revision: str, dry_run: bool =
     return reports
 
 
+def winners(tables: Sequence[dict[str, list]]) -> dict[int, dict[str, int]]:
+    """How often each tile (``BLOCK_N x BLOCK_K / warps``) or the unfused path won, per
+    row-block size (``BLOCK_M``, from the entry's row count), over the entries of
+    ``tables``: which candidates a measured set of models never picks."""
+    import re
+
+    counts: dict[int, dict[str, int]] = {}
+    for entries in tables:
+        for key, (config, _, _) in entries.items():
+            rows = int(re.search(r"\|(\d+)x\d+x\d+\|", key).group(1))
+            block_m = 1 << (rows - 1).bit_length()
+            name = "unfused" if config is None else f"{config[1]}x{config[2]}/{config[3]}"
+            by_tile = counts.setdefault(block_m, {})
+            by_tile[name] = by_tile.get(name, 0) + 1
+    return counts
+
+
+def format_winners(counts: dict[int, dict[str, int]]) -> list[str]:
+    """One line per row-block size: the tiles that won, most wins first."""
+    return [f"BLOCK_M {bm}: " + ", ".join(f"{name} {n}" for name, n in
+                                          sorted(tiles.items(), key=lambda t: (-t[1], t[0])))
+            for bm, tiles in sorted(counts.items())]
+
+
 def measure(models: Sequence[str], out: Path, base: Any, timeout: float,
             log: Any = print) -> list[dict[str, Any]]:
     """Start each model once from empty caches without the shipped table; copy its tuning
@@ -187,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--table-dir", type=Path, default=ROOT / "replaylm" / "kernels" / "tuned",
                    help="where the tables are (default: replaylm/kernels/tuned)")
     b.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    w = sub.add_parser("winners", help="how often each tile won in measured caches or tables")
+    w.add_argument("caches", nargs="+", type=Path, help="tuning caches or shipped tables")
     m = sub.add_parser("measure", help="time every shape of some models on this GPU")
     m.add_argument("--models", default=DEFAULT_MODELS,
                    help=f"comma-separated models (default: {DEFAULT_MODELS})")
@@ -204,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        return 0
+    if ns.command == "winners":
+        try:
+            tables = [read_cache(path) for path in ns.caches]
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(format_winners(winners(tables))))
         return 0
     models = [x.strip() for x in ns.models.split(",") if x.strip()]
     if not models:

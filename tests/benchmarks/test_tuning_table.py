@@ -114,3 +114,17 @@ def test_shipped_tables_are_package_data():
     assert "kernels/tuned/*.json" in data["tool"]["setuptools"]["package-data"]["replaylm"]
     for table in SHIPPED_DIR.glob("*.json"):  # every shipped table is a valid cache
         tuning_table.read_cache(table)
+
+
+def test_winners_count_tiles_per_row_block(tmp_path, capsys):
+    entries = {key(H200, S1): [[1, 8, 512, 4], 2.9, 4.0],
+               key(H200, "norm|1x2048x2048|torch.bfloat16|False"): [[1, 8, 512, 4], 3.0, 4.0],
+               key(H200, S2): [None, 5.1, 5.1],
+               key(H200, "plain|3x4096x1024|torch.bfloat16|False"): [[4, 4, 256, 8], 4.0, 5.0]}
+    counts = tuning_table.winners([entries])
+    assert counts == {1: {"8x512/4": 2}, 2: {"unfused": 1}, 4: {"4x256/8": 1}}
+    assert tuning_table.format_winners(counts) == [
+        "BLOCK_M 1: 8x512/4 2", "BLOCK_M 2: unfused 1", "BLOCK_M 4: 4x256/8 1"]
+    path = write(tmp_path / "c.json", entries)
+    assert tuning_table.main(["winners", str(path)]) == 0
+    assert "BLOCK_M 1: 8x512/4 2" in capsys.readouterr().out
