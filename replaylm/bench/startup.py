@@ -82,6 +82,7 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
     phases["other_s"] = max(0.0, ready_s - sum(phases.values()))
     jit = {"tune": runner.tune_jit, "capture": runner.capture_jit,
            "total": jit_clock.snapshot().since(jit_before)}
+    decisions = decision_report()  # those of the start, not of the first request
     t0 = time.perf_counter()
     llm.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
@@ -96,7 +97,7 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
         "kv_mib": runner.num_blocks * runner.block_bytes / 2**20,
         "graph_mib": graphs["graph_mib"],
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
-        **decision_report(),
+        **decisions,
         "jit": {phase: _rounded(totals.as_dict()) for phase, totals in jit.items()},
     }
 
