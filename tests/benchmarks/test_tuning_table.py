@@ -128,3 +128,32 @@ def test_winners_count_tiles_per_row_block(tmp_path, capsys):
     path = write(tmp_path / "c.json", entries)
     assert tuning_table.main(["winners", str(path)]) == 0
     assert "BLOCK_M 1: 8x512/4 2" in capsys.readouterr().out
+
+
+def test_measure_starts_each_model_without_the_table_and_keeps_its_cache(tmp_path, monkeypatch):
+    """``measure``: one start per model from empty caches with the shipped table off; the
+    tuning cache it wrote lands in OUT/<model>.linear_tuning.json, a start that wrote none
+    is reported as failed."""
+    from replaylm.bench import startup
+    from replaylm.config import EngineArgs
+
+    seen = []
+
+    def fake_start(args, cache, timeout):
+        seen.append((args.model, args.shipped_tuning_table, args.load_format, list(cache.iterdir())))
+        if args.model != "llama3-8b":
+            (cache / "replaylm").mkdir(parents=True)
+            write(cache / "replaylm" / "linear_tuning.json", {key(H200, S1): [None, 1.0, 1.0]})
+        return {"ready_s": 9.0, "tune_s": 5.0, "decisions": {"cache": 0, "shipped": 0,
+                                                             "tuned": 1},
+                "tuning": {"candidates_timed": 10}}
+
+    monkeypatch.setattr(startup, "start_in_child", fake_start)
+    out = tmp_path / "out"
+    rows = tuning_table.measure(["qwen3-0.6b", "llama3-8b"], out,
+                                EngineArgs(load_format="dummy"), 60, log=lambda _: None)
+    assert seen == [("qwen3-0.6b", False, "dummy", []), ("llama3-8b", False, "dummy", [])]
+    assert json.loads((out / "qwen3-0.6b.linear_tuning.json").read_text()) == {
+        key(H200, S1): [None, 1.0, 1.0]}
+    assert "error" not in rows[0] and "no tuning cache" in rows[1]["error"]
+    assert json.loads((out / "measure.json").read_text())["starts"] == rows
