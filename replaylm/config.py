@@ -59,6 +59,12 @@ _HELP: dict[str, str] = {
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
     "pdl": "programmatic dependent launch of the Triton kernels (each may start while the one "
     "before finishes): auto = on from compute capability 9.0",
+    "shipped_tuning_table": "take the projection-kernel decisions this machine's tuning "
+    "cache lacks from the table shipped for this GPU model (same torch, Triton, PDL mode and "
+    "kernel sources only); --no-shipped-tuning-table times every shape here",
+    "tuning_compile_threads": "threads that compile the projection kernels' tile candidates "
+    "before they are timed (0 = one per CPU core, at most 16; 1 = each compiles when first "
+    "timed)",
     "rope_in_attention_max_reqs": "decode steps of up to this many requests do q/k norm, "
     "rotary and the KV write inside the attention launch (fused kernels, modes that graph "
     "attention with the model); 0 = never",
@@ -107,6 +113,8 @@ class EngineArgs:
     fused_kernels: bool = True
     overlap_scheduling: bool = True
     pdl: str = "auto"
+    shipped_tuning_table: bool = True
+    tuning_compile_threads: int = 0
     rope_in_attention_max_reqs: int = 1
     moe_side_stream_max_tokens: int = 256
     max_stop_strings: int = 32
@@ -134,6 +142,7 @@ class EngineArgs:
             _positive("max_graphs", self.max_graphs)
         _non_negative("graph_check", self.graph_check)
         _non_negative("rope_in_attention_max_reqs", self.rope_in_attention_max_reqs)
+        _non_negative("tuning_compile_threads", self.tuning_compile_threads)
         _non_negative("moe_side_stream_max_tokens", self.moe_side_stream_max_tokens)
         if self.speculative_config is not None:
             SpecConfig.from_dict(self.speculative_config)

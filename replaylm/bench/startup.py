@@ -4,8 +4,10 @@ time and memory go.
 Every start runs in a fresh Python process (``python -m replaylm.bench.startup SPEC``), so
 nothing compiled or loaded by an earlier start is still in memory:
 
-- ``cold``: the replaylm cache (kernel tuning table, the built-in default model's weights)
-  and Triton's kernel cache are a new empty directory, as on a new machine;
+- ``cold``: the replaylm cache (the user's kernel tuning cache, the built-in default model's
+  weights) and Triton's kernel cache are a new empty directory, as on a new machine. The
+  tuning table shipped for the GPU is part of the package, as a wheel ships it, so it still
+  applies (``--no-shipped-tuning-table`` times every shape instead);
 - ``warm``: the same directories again, as the cold start of that mode left them.
 
 Each start reports, from the engine's own timers: weights (loading, or making dummy weights),
@@ -13,6 +15,12 @@ kernel tuning, KV sizing (the profiling forward and the pool), capture, and ``ot
 rest of ``LLM(...)``: attention warm-up, sampler tables, scheduler); plus the interpreter
 start and imports before it, and the first request after it (1 request, 8 new tokens). Memory:
 weights, KV cache and graphs in MiB (on a GPU also the peak reserved).
+
+Where the start's kernel decisions came from (``decisions``: the user's cache, the shipped
+table, or timed now; ``tuning``: kernels compiled ahead, candidates timed and their
+seconds), and on a GPU the seconds in Triton's compiler (``jit``: kernels compiled from
+source or loaded from Triton's disk cache) during tuning, during capture and in all of
+``LLM(...)``, so capture's own work shows apart from its JIT compiles.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from replaylm.config import EngineArgs
 
 STARTS = ("cold", "warm")
 PHASES = ("load_s", "tune_s", "kv_sizing_s", "capture_s", "other_s")
+#: Where a kernel decision came from (``kernels.tuner.SOURCES``; spelled out here so the
+#: bench reads it without importing Triton).
+DECISION_SOURCES = ("cache", "shipped", "tuned")
 
 
 def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
@@ -52,9 +63,13 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
     from replaylm import LLM, SamplingParams
     from replaylm.bench.decode import weight_bytes_of
     from replaylm.engine.model_runner import resolve_device
+    from replaylm.kernels import jit_clock
 
     import_s = time.time() - launched_at
     cuda = resolve_device(args.device).type == "cuda"
+    if cuda:
+        jit_clock.install()
+    jit_before = jit_clock.snapshot()
     start = time.perf_counter()
     llm = LLM.from_engine_args(args)
     if cuda:
@@ -65,6 +80,9 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
     phases = {"load_s": runner.load_seconds, "tune_s": runner.tune_seconds,
               "kv_sizing_s": runner.kv_sizing_seconds, "capture_s": graphs["capture_seconds"]}
     phases["other_s"] = max(0.0, ready_s - sum(phases.values()))
+    jit = {"tune": runner.tune_jit, "capture": runner.capture_jit,
+           "total": jit_clock.snapshot().since(jit_before)}
+    decisions = decision_report()  # those of the start, not of the first request
     t0 = time.perf_counter()
     llm.generate([[1] * 8], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
@@ -79,7 +97,25 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
         "kv_mib": runner.num_blocks * runner.block_bytes / 2**20,
         "graph_mib": graphs["graph_mib"],
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
+        **decisions,
+        "jit": {phase: _rounded(totals.as_dict()) for phase, totals in jit.items()},
     }
+
+
+def decision_report() -> dict[str, Any]:
+    """This process's kernel decisions by source (``decisions``) and the tuner's work
+    (``tuning``); zeros when the fused kernels never ran (CPU)."""
+    tuner = sys.modules.get("replaylm.kernels.tuner")  # imported only where kernels run
+    if tuner is None:
+        return {"decisions": dict.fromkeys(DECISION_SOURCES, 0),
+                "tuning": {"precompiled": 0, "precompile_s": 0.0, "candidates_timed": 0,
+                           "timing_s": 0.0}}
+    stats = _rounded(tuner.STATS.as_dict())
+    return {"decisions": stats.pop("sources"), "tuning": stats}
+
+
+def _rounded(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def start_in_child(args: EngineArgs, cache: Path, timeout: float) -> dict[str, Any]:
@@ -134,23 +170,46 @@ def _format_row(r: dict[str, Any]) -> str:
     return (f"[startup] mode={r['mode']} {r['start']}: ready in {r['ready_s']:.2f} s ({parts}); "
             f"imports {r['import_s']:.2f} s, first request {r['first_request_s']:.2f} s; "
             f"weights {r['weights_mib']:.0f} MiB, KV {r['kv_mib']:.0f} MiB, graphs "
-            f"{r['graph_mib']:.0f} MiB ({r['num_graphs']})")
+            f"{r['graph_mib']:.0f} MiB ({r['num_graphs']}); {format_sources(r)}")
+
+
+def format_sources(r: dict[str, Any]) -> str:
+    """Where a start's kernel decisions came from, what the tuner did, and its JIT split."""
+    d, t, jit = r["decisions"], r["tuning"], r["jit"]
+    text = (f"kernel decisions: {d['cache']} from the user's cache, {d['shipped']} from the "
+            f"shipped table, {d['tuned']} tuned now")
+    if t["candidates_timed"] or t["precompiled"]:
+        text += (f" ({t['precompiled']} kernels compiled ahead in {t['precompile_s']:.2f} s, "
+                 f"{t['candidates_timed']} candidates timed in {t['timing_s']:.2f} s)")
+    if jit["total"]["compiled"] or jit["total"]["loaded"]:
+        text += "; Triton JIT " + ", ".join(
+            f"{phase} {_jit_s(jit[phase]):.2f} s ({jit[phase]['compiled']} compiled, "
+            f"{jit[phase]['loaded']} from disk)" for phase in ("tune", "capture", "total"))
+    return text
+
+
+def _jit_s(totals: dict[str, Any]) -> float:
+    """Seconds in Triton's compiler: compiles from source and loads from its disk cache."""
+    return totals["compile_s"] + totals["load_s"]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per start: ready seconds and its phases, imports, first request, MiB."""
     head = (f"{'mode':<19} {'start':<5} {'ready s':>8} {'weights':>8} {'tuning':>7} "
-            f"{'KV size':>8} {'capture':>8} {'other':>7} {'first req':>9} "
-            f"{'w MiB':>8} {'KV MiB':>8} {'graph MiB':>9}")
+            f"{'KV size':>8} {'capture':>8} {'cap JIT':>7} {'other':>7} {'first req':>9} "
+            f"{'w MiB':>8} {'KV MiB':>8} {'graph MiB':>9} {'cache/shipped/tuned':>19}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['mode']:<19} {r['start']:<5} failed")
             continue
+        d = r["decisions"]
         lines.append(f"{r['mode']:<19} {r['start']:<5} {r['ready_s']:>8.2f} "
-                     + " ".join(f"{r[k]:>{w}.2f}" for k, w in zip(PHASES, (8, 7, 8, 8, 7)))
+                     + " ".join(f"{r[k]:>{w}.2f}" for k, w in zip(PHASES[:4], (8, 7, 8, 8)))
+                     + f" {_jit_s(r['jit']['capture']):>7.2f} {r['other_s']:>7.2f}"
                      + f" {r['first_request_s']:>9.2f} {r['weights_mib']:>8.0f} "
-                     f"{r['kv_mib']:>8.0f} {r['graph_mib']:>9.1f}")
+                     f"{r['kv_mib']:>8.0f} {r['graph_mib']:>9.1f} "
+                     f"{'/'.join(str(d[s]) for s in DECISION_SOURCES):>19}")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.graphs.policy import Dispatch, GraphPolicy, attention_backend_name, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
+from replaylm.kernels import jit_clock
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -68,6 +69,7 @@ class ModelRunner:
         self.cfg = cfg
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        self._jit_snapshot()  # on CUDA: count Triton's compiles from here (start-up split)
         self.graph_mode = resolve_mode(args.cuda_graph_mode, args.enforce_eager, self.device.type)
         self.policy = GraphPolicy.resolve(
             self.graph_mode, graph_tiers=args.graph_tiers, max_graph_tokens=args.max_graph_tokens,
@@ -121,7 +123,9 @@ class ModelRunner:
         self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
         self._warm_sampler()
         self.tune_seconds = self._tune_kernels()
+        jit_before = self._jit_snapshot()
         self.graphs.capture()
+        self.capture_jit = self._jit_snapshot().since(jit_before)
 
     def _configure_pdl(self) -> bool:
         """Apply ``EngineArgs.pdl`` to the Triton kernels (process-wide); returns whether
@@ -138,21 +142,39 @@ class ModelRunner:
     def _tune_kernels(self) -> float:
         """Decide the projections' kernels (``kernels.tuner``) at every row count a graph
         tier can run them with, before capture, so capture time is capture alone: the model
-        runs each of its dense calls once at that size. Decisions are cached on disk;
-        returns the seconds spent."""
+        runs each of its dense calls at that size (``tuner.decide_all``: the kernels the
+        decisions need compile ahead on a thread pool, then what neither the user's cache
+        nor the shipped table decides is timed). Sets ``tuning`` (``TuningStats``) and
+        ``tune_jit``; returns the seconds spent."""
+        self.tuning = None
+        self.tune_jit = jit_clock.JitTotals()
         if self.model.kernels is None:
             return 0.0
+        from replaylm.kernels import tuner
         from replaylm.kernels.skinny import MAX_M
 
+        jit_before, stats_before = self._jit_snapshot(), tuner.STATS.copy()
         start = time.perf_counter()
+        tuner.configure(shipped_table=self.args.shipped_tuning_table)
         tiers = self.policy.decode_tiers + self.policy.token_tiers
         sizes = sorted({t for t in tiers if t <= MAX_M} | {1})
-        for m in sizes:
-            self.model.run_dense_calls(m)
+        threads = tuner.compile_threads(self.args.tuning_compile_threads)
+        tuner.decide_all(lambda: [self.model.run_dense_calls(m) for m in sizes], threads)
         seconds = time.perf_counter() - start
-        log.info("projection kernels chosen for %d row counts in %.2f s (cached on disk)",
-                 len(sizes), seconds)
+        self.tuning = tuner.STATS.since(stats_before)
+        self.tune_jit = self._jit_snapshot().since(jit_before)
+        log.info("projection kernels for %d row counts in %.2f s: decisions %s; %d kernels "
+                 "compiled ahead on %d threads in %.2f s, %d candidates timed in %.2f s",
+                 len(sizes), seconds, dict(self.tuning.sources), self.tuning.precompiled,
+                 threads, self.tuning.precompile_s, self.tuning.candidates_timed,
+                 self.tuning.timing_s)
         return seconds
+
+    def _jit_snapshot(self) -> jit_clock.JitTotals:
+        """Triton compile totals so far (``kernels.jit_clock``; counted on CUDA only)."""
+        if self.device.type == "cuda":
+            jit_clock.install()
+        return jit_clock.snapshot()
 
     def _warm_sampler(self) -> None:
         """Build the sampler's cached tables now, not inside a step that may be captured."""

@@ -21,6 +21,11 @@ references are ``kernels.ref.linear`` / ``norm_linear`` / ``silu_linear``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +39,8 @@ PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
 #: K chunks up to which a program's weight strip is loaded whole before the PDL wait
 #: (``_skinny_kernel`` spells out four chunks).
 MAX_UNROLL = 4
+#: Set inside :func:`compile_only`: ``_launch`` compiles its kernel and does not run it.
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("skinny_compile_only", default=False)
 
 
 @triton.jit
@@ -187,6 +194,18 @@ def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
 
 
+@contextlib.contextmanager
+def compile_only() -> Iterator[None]:
+    """Within this context the skinny-kernel calls compile their kernel (Triton ``warmup``)
+    and launch nothing; their outputs are left unwritten. Inside ``triton.AsyncCompileMode``
+    the compiles then run on that mode's executor (``kernels.tuner.precompile``)."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -215,7 +234,10 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     chunks = triton.cdiv(k, bk)
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
-    _skinny_kernel[(triton.cdiv(n, bn),)](
+    grid = (triton.cdiv(n, bn),)
+    kernel = (functools.partial(_skinny_kernel.warmup, grid=grid) if _COMPILE_ONLY.get()
+              else _skinny_kernel[grid])
+    kernel(
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
         bias if bias is not None else weight, y, m, n, eps,
         x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),

@@ -7,21 +7,38 @@ each shape :func:`choose` times the unfused path (cuBLAS, or the separate prolog
 the projection) against every tile candidate of the skinny kernel, each replayed from a CUDA
 graph, and keeps the fastest: in memory (``LINEAR_CHOICES``) and on disk
 (``kernels.tuning_cache``).
+
+A shape's decision comes from, in order: this process's memory, the user's cache (what this
+machine measured), the table shipped for this GPU model (what the engine measured on a lab
+machine with the same GPU, versions and kernel sources; ``configure``), and only then from
+timing it here. Local measurements win over the shipped table: they were taken on this very
+GPU, and a user who wants the table's choice back removes the cache file.
+
+Compiling the candidates takes most of a tuning run (each tile is its own Triton kernel), so
+the engine first runs its dense calls under :func:`precompile`, which compiles every
+candidate the timing pass will need on a thread pool, and then times them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
 
 from replaylm.capture import gc_paused
 from replaylm.kernels import elementwise, skinny
-from replaylm.kernels.tuning_cache import Decision, TuningCache
+from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +50,50 @@ TIE = 0.02
 #: and "silu" fold the residual add + RMSNorm or SiLU·mul into the projection's input
 #: (unfused = that op's own kernel, then the projection).
 LINEAR_CHOICES: dict[tuple, Decision] = {}
+
+#: Where a decision can come from (``TuningStats.sources``): the user's cache, the shipped
+#: table, or timing it now.
+SOURCES = ("cache", "shipped", "tuned")
+
+
+@dataclasses.dataclass
+class TuningStats:
+    """What this process's tuner did: decisions by source (counted when a shape is first
+    decided in the process), shapes timed and their candidates, seconds spent timing (with
+    the compiles of candidates not compiled ahead), and the :func:`precompile` passes
+    (wall seconds and kernels submitted)."""
+
+    sources: Counter = dataclasses.field(default_factory=Counter)
+    candidates_timed: int = 0
+    timing_s: float = 0.0
+    precompile_s: float = 0.0
+    precompiled: int = 0
+
+    def copy(self) -> TuningStats:
+        return dataclasses.replace(self, sources=Counter(self.sources))
+
+    def since(self, before: TuningStats) -> TuningStats:
+        """What happened after the snapshot ``before``."""
+        return TuningStats(
+            sources=self.sources - before.sources,
+            candidates_timed=self.candidates_timed - before.candidates_timed,
+            timing_s=self.timing_s - before.timing_s,
+            precompile_s=self.precompile_s - before.precompile_s,
+            precompiled=self.precompiled - before.precompiled)
+
+    def as_dict(self) -> dict:
+        return {"sources": {s: self.sources.get(s, 0) for s in SOURCES},
+                "candidates_timed": self.candidates_timed, "timing_s": self.timing_s,
+                "precompile_s": self.precompile_s, "precompiled": self.precompiled}
+
+
+STATS = TuningStats()
+
+#: Whether the shipped table is consulted (``configure``).
+_use_shipped = True
+#: What ``choose`` does while :func:`decide_all` runs its passes: None (decide), "unfused"
+#: (return None: the callers' unfused paths run) or "precompile" (compile ahead, then None).
+_pass: str | None = None
 
 
 def weight_rotation(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -91,26 +152,154 @@ def _cache() -> TuningCache:
     return TuningCache(kernels_revision())
 
 
+@functools.cache
+def _shipped(gpu: str) -> TuningCache:
+    return TuningCache(kernels_revision(), shipped_path(gpu), read_only=True)
+
+
+@functools.cache
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def configure(shipped_table: bool) -> None:
+    """Whether decisions the user's cache lacks are taken from the table shipped for this
+    GPU (``EngineArgs.shipped_tuning_table``; process-wide, like the decisions)."""
+    global _use_shipped
+    _use_shipped = shipped_table
+
+
+def _stored(key: tuple, gpu: str) -> tuple[Decision, str] | None:
+    """The decision on disk for ``key`` and where it was found (``SOURCES``), or None."""
+    hit = _cache().lookup(key, gpu)
+    if hit is not None:
+        return hit, "cache"
+    if _use_shipped:
+        hit = _shipped(gpu).lookup(key, gpu)
+        if hit is not None:
+            return hit, "shipped"
+    return None
+
+
+def candidates(m: int, k: int) -> list[tuple[int, int, int, int]]:
+    """The tiles timed for ``m`` rows and reduction length ``k``: ``skinny.candidate_configs``
+    without repeats. Capping ``BLOCK_K`` at ``k`` turns some candidates into copies of
+    others (at ``k`` = 1024 the 2x2048 tile becomes the 2x1024 one); a copy is the same
+    kernel, so timing it again cannot change the decision."""
+    return list(dict.fromkeys(skinny.candidate_configs(m, k)))
+
+
 def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], object],
            fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]):
     """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)``, or
     None when ``unfused`` (cuBLAS, or the separate prologue op plus the projection) is faster.
 
-    Decided on first use outside graph capture by timing ``unfused(w)`` and ``fused(config, w)``
-    for every candidate config (``w`` cycles through copies of ``weight``, the projection's
-    weight); then kept in memory and on disk. An undecided shape during capture takes
-    ``unfused``.
+    Decided on first use outside graph capture: from the user's cache or the shipped table
+    (``_stored``), else by timing ``unfused(w)`` and ``fused(config, w)`` for every
+    candidate config (``w`` cycles through copies of ``weight``, the projection's weight);
+    then kept in memory and, when timed, in the user's cache. An undecided shape during
+    capture takes ``unfused``. Under :func:`precompile` it only compiles what the shape will
+    need (the chosen config, or every candidate when undecided) and returns None; in
+    :func:`decide_all`'s first pass it returns None at once.
     """
+    if _pass == "unfused":
+        return None
     choice = LINEAR_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
             return None
-        choice = _cache().lookup(key, weight.device)
-        if choice is None:
-            choice = _tune(key, weight_rotation(weight), unfused, fused)
-            _cache().store(key, weight.device, choice)
+        gpu = _gpu_name(weight.device)
+        found = _stored(key, gpu)
+        if found is None:
+            if _pass == "precompile":
+                _compile_ahead(fused, candidates(key[1], key[3]), weight)
+                return None
+            start = time.perf_counter()
+            choice, source = _tune(key, weight_rotation(weight), unfused, fused), "tuned"
+            STATS.timing_s += time.perf_counter() - start
+            STATS.candidates_timed += len(candidates(key[1], key[3]))
+            _cache().store(key, gpu, choice)
+        else:
+            choice, source = found
         LINEAR_CHOICES[key] = choice
+        STATS.sources[source] += 1
+    if _pass == "precompile":
+        if choice[0] is not None:
+            _compile_ahead(fused, [choice[0]], weight)
+        return None
     return choice[0]
+
+
+def _compile_ahead(fused: Callable[[tuple[int, int, int, int], torch.Tensor], object],
+                   configs: Sequence[tuple[int, int, int, int]], weight: torch.Tensor) -> None:
+    """Submit the compiles of ``fused`` at each of ``configs`` to the precompile pool."""
+    with skinny.compile_only():
+        for config in configs:
+            fused(config, weight)
+    STATS.precompiled += len(configs)
+
+
+def compile_threads(setting: int) -> int:
+    """Threads for :func:`precompile` (``EngineArgs.tuning_compile_threads``): ``setting``,
+    or for 0 one per CPU core this process may use, at most 16."""
+    if setting > 0:
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
+@contextlib.contextmanager
+def _passing(name: str) -> Iterator[None]:
+    global _pass
+    if _pass is not None:
+        raise RuntimeError(f"tuner pass {name!r} inside pass {_pass!r}")
+    _pass = name
+    try:
+        yield
+    finally:
+        _pass = None
+
+
+@contextlib.contextmanager
+def precompile(threads: int) -> Iterator[None]:
+    """Compile ahead, on ``threads`` threads, the skinny kernels that the ``choose`` calls
+    inside this context will need; the context ends when every compile has.
+
+    Inside, ``choose`` decides nothing new: it submits the compiles (every candidate of an
+    undecided shape, the chosen config of a decided one) to ``triton.AsyncCompileMode`` and
+    returns None, so the caller runs its unfused path. Calling the same code again
+    afterwards times the candidates, all compiled by then (Triton's in-memory kernel
+    cache). The decisions are those of timing without this pass: the same candidates are
+    timed the same way; only when each is compiled changes. The threads overlap where the
+    compiler leaves Python: ptxas runs as a subprocess, and native passes that release the
+    GIL run side by side (how much that buys shows in ``TuningStats.precompile_s`` against
+    ``tuning_compile_threads=1``). A candidate that fails to compile here is compiled again
+    when timed, and fails there as it would without this pass."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="replaylm-compile") as pool, \
+            triton.AsyncCompileMode(pool, ignore_errors=True), _passing("precompile"):
+        yield
+    STATS.precompile_s += time.perf_counter() - start
+
+
+def decide_all(run: Callable[[], None], threads: int) -> None:
+    """Decide every projection shape that ``run`` (the model's dense calls at each row count
+    a graph uses) reaches, compiling on ``threads`` threads.
+
+    With one thread, ``run`` once: each shape compiles and times its candidates in turn.
+    Otherwise three passes: ``run`` with every projection on its unfused path (its own
+    kernels, norms and SiLU·mul, compile now: inside the precompile pass a launch of an
+    uncompiled kernel would wait behind every queued candidate), ``run`` under
+    :func:`precompile`, and ``run`` deciding (timing, all compiled)."""
+    if threads > 1:
+        with _passing("unfused"):
+            run()
+        with precompile(threads):
+            run()
+    run()
 
 
 def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.Tensor], object],
@@ -132,7 +321,7 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     kind, m, n, k = key[:4]
     baseline = graph_time_us(unfused, weights)
     timed = [(cfg, graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights))
-             for cfg in skinny.candidate_configs(m, k)]
+             for cfg in candidates(m, k)]
     fastest = min(us for _, us in timed)
     best, best_us = min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
                         key=lambda c: (c[0][3], c[1]))
