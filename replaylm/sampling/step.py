@@ -130,14 +130,19 @@ class StepSampler:
     def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
             slots_cpu: list[int], plan: PromptLogprobPlan | None,
             greedy: torch.Tensor | None = None,
-            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingStep:
+            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            accept: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+            ) -> PendingStep:
         """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
 
         ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
         batch of greedy requests with no logit processing takes it as is, with no kernel here.
         Returns the step's results with their host copies started (CUDA: pinned memory,
         non-blocking, one event recorded after all of them). ``host_view``, when given, maps
-        the sampled tokens to what the host receives (a verify step's acceptance).
+        the sampled tokens to what the host receives (a verify step's acceptance). ``accept``,
+        when given, maps (processed logits, sampled tokens) to the tokens the step keeps: a
+        drafter whose proposals carry a distribution replaces its draft rows' samples by its
+        rejection sampling (``spec.draft_model``); the batch then has a non-greedy row.
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
@@ -154,6 +159,8 @@ class StepSampler:
                 x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
                 need_filter=self.state.needs_filter(slots_cpu),
             )
+            if accept is not None:
+                tokens = accept(x, tokens)
             self.procs.record(sample_slots, tokens, slots_cpu)
         else:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -19,6 +19,8 @@ class SpecStats:
     verify_step_tokens: int = 0  # real tokens of verify steps
     verify_step_padded_tokens: int = 0  # the same steps' tokens as run (padded to a tier)
     budget_tokens: int = 0  # adaptive budget: draft tokens it allowed, summed over steps
+    draft_seconds: float = 0.0  # wall time of the drafter's proposals (a draft model's steps)
+    draft_forwards: int = 0  # draft model steps run (catch-up and draft steps)
 
     def record_launch(self, scheduled: Sequence[Any], real: int, padded: int) -> None:
         self.steps += 1
@@ -62,6 +64,8 @@ class SpecStats:
             "verify_tokens_per_step": self.verify_step_tokens / v,
             "budget_tokens_per_step": self.budget_tokens / max(1, self.steps)
             if self.budget == "adaptive" else self.num_speculative_tokens,
+            "draft_ms_per_step": 1000 * self.draft_seconds / max(1, self.steps),
+            "draft_forwards_per_step": self.draft_forwards / max(1, self.steps),
             "padded_waste": 1 - self.verify_step_tokens / self.verify_step_padded_tokens
             if self.verify_step_padded_tokens else 0.0,
         }
