@@ -351,13 +351,16 @@ class DraftModelDrafter:
         slots = res.batch.sample_slots[:n]
         out_pos = res.batch.sample_out_pos[:n]
         host_slots = [s.request.slot for s in sched]
-        probs = sampling_probs(res.logits, slots, state, state.needs_filter(host_slots))
-        conf = probs.max(dim=-1).values
         sampled = [b for b, slot in enumerate(host_slots) if not state.all_greedy([slot])]
         greedy = res.greedy if res.greedy is not None else res.logits.argmax(dim=-1)
-        if not sampled:
-            tokens, q = greedy.clone(), None
+        q = None
+        if not sampled and self.confidence is None:  # argmax alone: no distribution needed
+            tokens, conf = greedy.clone(), torch.ones(n, device=greedy.device)
         else:
+            probs = sampling_probs(res.logits, slots, state, state.needs_filter(host_slots))
+            conf = probs.max(dim=-1).values
+            tokens = greedy.clone()
+        if sampled:
             keys = row_keys(state.seed_key.index_select(0, slots) ^ _DRAFT_SALT, out_pos)
             log_e = uniforms(keys, state.vocab_hash(self.vocab_size)).log_().neg_().log_()
             drawn = (log_e - probs.log()).argmin(dim=-1)
