@@ -220,7 +220,8 @@ class DraftModelDrafter:
         # ``_q`` and, per request, the row of each of its drafts.
         self._q: torch.Tensor | None = None
         self._q_rows: dict[Request, list[int]] = {}
-        self._events: list[torch.cuda.Event] = []
+        self._events: list[torch.cuda.Event] = []  # the latest two draft steps (CUDA)
+        self._last_fit = True  # whether the latest ran on the static buffers
 
     # Lifecycle -----------------------------------------------------------------------------
 
@@ -325,10 +326,11 @@ class DraftModelDrafter:
         """Run one draft step; returns the graph runtime's result."""
         runner = self.runner
         host = build_host_batch(SchedulerOutput(scheduled=sched), runner.max_blocks_per_req)
-        # The static buffers stage inputs in two pinned buffers, alternating: the step that
-        # last copied from the one about to be rewritten must have run.
-        if len(self._events) >= 2:
-            self._events[-2].synchronize()
+        # The static buffers stage inputs in two pinned buffers, alternating per step that
+        # runs on them: the step that last copied from the one about to be rewritten must
+        # have run (the previous one, after a step too large for them, which does not flip).
+        if self._events:
+            self._events[-1 if not self._last_fit or len(self._events) < 2 else -2].synchronize()
         runner.buffers.update_block_tables(host)
         res = runner.graphs.run(host)
         for s in sched:
@@ -337,6 +339,7 @@ class DraftModelDrafter:
             event = torch.cuda.Event()
             event.record()
             self._events = self._events[-1:] + [event]
+            self._last_fit = runner.buffers.fits(host)
         if self.stats is not None:
             self.stats.draft_forwards += 1
         return res
