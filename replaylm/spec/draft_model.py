@@ -109,8 +109,8 @@ class DraftModelRunner(ModelRunner):
     profiled), so the target sizes its own pool around this one's memory (``partner_*``),
     then started with its block count.
 
-    Its pool holds, by default, as many tokens as the target's plus ``num_speculative_tokens``
-    per request slot (a pair of blocks for every target block): the draft then has room for
+    Its pool holds, by default, as many tokens as the target's (one draft block per target
+    block) plus ``num_speculative_tokens`` per request slot: the draft then has room for
     every request the target runs except where the target shares blocks (prefix-cache hits,
     n > 1 siblings), whose excess requests go undrafted for the step.
     """
