@@ -78,7 +78,9 @@ _HELP: dict[str, str] = {
     "distributed_timeout_s": "seconds the driver waits for a data-parallel worker (start-up "
     "and every step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
-    "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} (default: off)",
+    "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
+    "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
+    "\"draft_confidence\": 0.3} (default: off)",
 }
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from replaylm.config import EngineArgs
@@ -13,6 +12,7 @@ from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.loading import (
     load_model_config,
     load_tokenizer,
+    resolve_weights_dir,
     tokenize_text,
     too_long_message,
 )
@@ -23,11 +23,10 @@ from replaylm.engine.request import Request, RequestStatus
 from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
-from replaylm.model.loader import default_model_weights
-from replaylm.model.shapes import DEFAULT_MODEL_DIR
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
 from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
+from replaylm.spec.config import SpecConfig
 from replaylm.spec.drafter import make_drafter
 from replaylm.spec.stats import SpecStats
 
@@ -43,12 +42,20 @@ class EngineCore:
         self.args = args
         self.model_config, model_dir = load_model_config(args.model)
         cfg = self.model_config
-        weights_dir = model_dir
-        if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
-            weights_dir = default_model_weights(cfg) if args.load_format != "dummy" else None
+        weights_dir = resolve_weights_dir(model_dir, cfg, args.load_format)
         self.max_model_len = self._resolve_max_model_len(args, cfg)
         self.tokenizer = load_tokenizer(args, model_dir)
-        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len)
+        # A draft model (``spec.draft_model``) loads first: the target's KV sizing reserves
+        # its memory and pairs a draft block with each target block.
+        spec = SpecConfig.from_dict(args.speculative_config) \
+            if args.speculative_config is not None else None
+        draft_runner = None
+        if spec is not None and spec.method == "draft_model":
+            from replaylm.spec.draft_model import load_draft_runner
+
+            draft_runner = load_draft_runner(args, spec, cfg, self.tokenizer, self.max_model_len)
+        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len,
+                                  kv_partner=draft_runner)
         self.graph_mode = self.runner.graph_mode
         self.block_manager = BlockManager(self.runner.num_blocks,
                                           enable_prefix_caching=args.enable_prefix_caching)
@@ -73,10 +80,17 @@ class EngineCore:
         # Speculative decoding (``speculative_config``): the drafter and its counters. Steps
         # then resolve before the next is built (no overlap): the next step's input is the
         # last token each verify emitted, known on the host only after acceptance.
-        spec = self.runner.spec
-        self.drafter = make_drafter(spec) if spec is not None else None
         self.spec_stats = (SpecStats(spec.num_speculative_tokens, spec.budget, spec.verify)
                            if spec else None)
+        self.drafter: Any = make_drafter(spec) if spec and draft_runner is None else None
+        if draft_runner is not None:
+            from replaylm.spec.draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(draft_runner, spec, self.runner.num_blocks,
+                                             self.max_model_len, self.runner.sampler.state,
+                                             self.spec_stats)
+            self.scheduler.on_release = self.drafter.release
+            self.runner.verify_accept = self.drafter.acceptance
         self.stats.spec = self.spec_stats
         self._overlap = args.overlap_scheduling and spec is None
         self._samples_at = 0.0
@@ -318,8 +332,10 @@ class EngineCore:
             if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens:
                 reqs.append(r)
         room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+        t0 = time.perf_counter()
         for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]
             r.draft_tokens = drafts
+        self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
         if self.budget is not None:
             # The step's tokens without drafts, as the scheduler will likely lay them out:
             # every running request's uncomputed tokens, then waiting prompts, in the budget.

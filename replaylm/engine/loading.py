@@ -8,7 +8,8 @@ from typing import Any
 
 from replaylm.config import EngineArgs
 from replaylm.model.config import ModelConfig
-from replaylm.model.shapes import hf_config_from_dict, resolve_model
+from replaylm.model.loader import default_model_weights
+from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
 
 
 def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
@@ -38,6 +39,15 @@ def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
             ids = tuple(eos) if isinstance(eos, list) else (eos,)
             cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(ids + cfg.eos_token_ids)))
     return cfg, path
+
+
+def resolve_weights_dir(model_dir: Path | None, cfg: ModelConfig, load_format: str
+                        ) -> Path | None:
+    """Where the weights of ``model_dir`` are: the directory itself, or for the built-in
+    default model its cached weights (None: random weights)."""
+    if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
+        return default_model_weights(cfg) if load_format != "dummy" else None
+    return model_dir
 
 
 def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,8 +64,43 @@ def make_attention_backend(requested: str, device: torch.device, mode: str) -> A
 
 
 class ModelRunner:
+    """Owns one model, its KV pool, its graphs and the per-slot sampling state.
+
+    ``kv_partner``: a second pool sized with this one (a draft model's,
+    ``spec.draft_model``): its ``partner_block_bytes`` are added to each of this pool's
+    blocks and its ``partner_fixed_bytes`` reserved, before the KV pool is sized.
+    ``verify_accept``: set by the engine when a drafter's proposals carry a distribution;
+    it turns a verify step into that drafter's acceptance rule (``StepSampler.run``).
+    """
+
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_partner: Any = None) -> None:
+        self._setup(args, cfg, max_model_len)
+        self.spec = (SpecConfig.from_dict(args.speculative_config)
+                     if args.speculative_config is not None else None)
+        if self.spec is not None:
+            # Verify steps run through the token tiers (``full`` graphs serve only uniform
+            # decode: its verifies run eagerly, bounded by the step budget alone).
+            self.spec.check_fits(args.max_num_batched_tokens,
+                                 max(self.policy.token_tiers, default=0))
+        # Sampled rows per request in one step: k + 1 when verifying k drafts.
+        self.rows_per_req = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
+        self.verify_accept: Callable[[SchedulerOutput, Any], Any] | None = None
+        self.kv_partner = kv_partner
+        self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
+        self.pdl = self._configure_pdl()
+        self._load(model_dir)
+        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device,
+                                   max_rows=args.max_num_seqs * self.rows_per_req)
+        t0 = time.perf_counter()
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
+        self._warm_sampler()
+        self._start_graphs()
+
+    def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int) -> None:
+        """Device, dtype, graph mode and tiers from the settings."""
         self.args = args
         self.cfg = cfg
         self.device = resolve_device(args.device)
@@ -77,17 +113,10 @@ class ModelRunner:
             max_num_batched_tokens=args.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
-        self.spec = (SpecConfig.from_dict(args.speculative_config)
-                     if args.speculative_config is not None else None)
-        if self.spec is not None:
-            # Verify steps run through the token tiers (``full`` graphs serve only uniform
-            # decode: its verifies run eagerly, bounded by the step budget alone).
-            self.spec.check_fits(args.max_num_batched_tokens,
-                                 max(self.policy.token_tiers, default=0))
-        # Sampled rows per request in one step: k + 1 when verifying k drafts.
-        self.rows_per_req = 1 + (self.spec.num_speculative_tokens if self.spec else 0)
-        self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
-        self.pdl = self._configure_pdl()
+
+    def _load(self, model_dir: Path | None) -> None:
+        """The model's weights and kernel settings (the attention backend chosen first)."""
+        args, cfg = self.args, self.cfg
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
@@ -100,20 +129,18 @@ class ModelRunner:
         self.model.rope_in_attention_max_reqs = (
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
-        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device,
-                                   max_rows=args.max_num_seqs * self.rows_per_req)
-        t0 = time.perf_counter()
-        self.num_blocks = self._decide_num_blocks()
-        self.kv_caches = self._allocate_kv(self.num_blocks)
-        self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
-        self.model.bind(self.attn, self.kv_caches, max_model_len)
+
+    def _start_graphs(self) -> None:
+        """Bind the model to its KV pool, build the graph runtime and capture its graphs."""
+        args, cfg = self.args, self.cfg
+        self.model.bind(self.attn, self.kv_caches, self.max_model_len)
         if self.device.type == "cuda":
             self.attn.warmup(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device,
                              rope=self.model.rope_in_attention_max_reqs > 0, qk_norm=cfg.qk_norm)
         self.graphs = GraphRuntime(
             self.model, self.policy, self.device, max_num_seqs=args.max_num_seqs,
-            max_blocks=self.max_blocks_per_req, max_model_len=max_model_len,
+            max_blocks=self.max_blocks_per_req, max_model_len=self.max_model_len,
             host_attn_lengths=not self.attn.graph_safe,
             eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
             graph_check=args.graph_check, rows_per_req=self.rows_per_req,
@@ -121,7 +148,6 @@ class ModelRunner:
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
         self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
-        self._warm_sampler()
         self.tune_seconds = self._tune_kernels()
         jit_before = self._jit_snapshot()
         self.graphs.capture()
@@ -200,19 +226,24 @@ class ModelRunner:
         useful = args.max_num_seqs * self.max_blocks_per_req + 1
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
+        partner = self.kv_partner
+        per_block = self.block_bytes + (partner.partner_block_bytes if partner else 0)
+        fixed = partner.partner_fixed_bytes if partner else 0
         if self.device.type != "cuda":
-            return max(2, min(useful, int(args.cpu_kv_cache_gib * 2**30) // self.block_bytes))
+            return max(2, min(useful, (int(args.cpu_kv_cache_gib * 2**30) - fixed) // per_block))
         peak = self._profile_activation_peak()
         free, total = torch.cuda.mem_get_info(self.device)
         torch_reserved = torch.cuda.memory_reserved(self.device)
         not_ours = total - free - torch_reserved
         weights = torch.cuda.memory_allocated(self.device)
         graphs = self._estimate_graph_bytes(peak)
-        budget = total * args.gpu_memory_utilization - not_ours - weights - peak - graphs
-        blocks = int(budget // self.block_bytes)
+        budget = total * args.gpu_memory_utilization - not_ours - weights - peak - graphs - fixed
+        blocks = int(budget // per_block)
         log.info("KV sizing: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, "
-                 "graphs (estimate) %.2f GiB, other %.2f GiB -> %d blocks", total / 2**30,
-                 weights / 2**30, peak / 2**30, graphs / 2**30, not_ours / 2**30, blocks)
+                 "graphs (estimate) %.2f GiB, other %.2f GiB, partner pool %.2f GiB + %d B per "
+                 "block -> %d blocks", total / 2**30, weights / 2**30, peak / 2**30,
+                 graphs / 2**30, not_ours / 2**30, fixed / 2**30, per_block - self.block_bytes,
+                 blocks)
         if blocks < 2:
             raise ValueError(
                 f"no GPU memory left for the KV cache (weights {weights / 2**30:.2f} GiB, "
@@ -323,9 +354,12 @@ class ModelRunner:
             draft_counts = (
                 torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
                 torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
+        accept = None
+        if host.draft_next is not None and self.verify_accept is not None:
+            accept = self.verify_accept(out, self.sampler.state)
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
                                    host.sample_slots.tolist(), plan, greedy, host_view,
-                                   draft_counts)
+                                   draft_counts, accept)
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from replaylm.engine.block_manager import BlockManager
@@ -105,6 +105,9 @@ class Scheduler:
         self._unfinished: dict[str, Request] = {}
         # Finished while in flight: blocks and slot are released when their last step resolves.
         self._parked: list[Request] = []
+        # Called with every request whose blocks and slot are released (finish, abort,
+        # preemption): state kept beside them (a draft model's KV) goes with them.
+        self.on_release: Callable[[Request], None] | None = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -343,6 +346,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
+        if self.on_release is not None:
+            self.on_release(req)
         self.block_manager.free(req)
         if req.slot >= 0:
             heapq.heappush(self._free_slots, req.slot)

@@ -239,6 +239,22 @@ def sample(
     return torch.where(is_greedy, greedy_ids, random_ids)
 
 
+def sampling_probs(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState,
+                   need_filter: bool = True) -> torch.Tensor:
+    """The distribution ``sample`` draws each row from: ``[L, V]`` fp32 probabilities of
+    ``logits / temperature`` after top-k then top-p. Greedy rows get the unfiltered softmax
+    of their logits (temperature 1): ``sample`` takes their argmax, and speculative drafting
+    reads its top probability as the draft's confidence."""
+    temperature = state.temperature.index_select(0, slots)
+    is_greedy = temperature == 0.0
+    scaled = torch.div(logits, torch.where(is_greedy, 1.0, temperature)[:, None])
+    if need_filter:
+        threshold = _filter_threshold(scaled, slots, state).masked_fill_(is_greedy[:, None],
+                                                                         float("-inf"))
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    return scaled.softmax(dim=-1)
+
+
 def _filter_threshold(
     scaled: torch.Tensor, slots: torch.Tensor, state: SamplingState
 ) -> torch.Tensor:

@@ -131,7 +131,9 @@ class StepSampler:
             slots_cpu: list[int], plan: PromptLogprobPlan | None,
             greedy: torch.Tensor | None = None,
             host_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingStep:
+            draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+            accept: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+            ) -> PendingStep:
         """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
 
         ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
@@ -140,7 +142,10 @@ class StepSampler:
         non-blocking, one event recorded after all of them). ``host_view``, when given, maps
         the sampled tokens to what the host receives (a verify step's acceptance): only
         those rows count as outputs for the penalties. ``draft_counts``: ``(rows, tokens)``,
-        draft tokens each verify row's penalties count as earlier outputs.
+        draft tokens each verify row's penalties count as earlier outputs. ``accept``, when
+        given, maps (processed logits, sampled tokens) to the tokens the step keeps: a
+        drafter whose proposals carry a distribution replaces its draft rows' samples by its
+        rejection sampling (``spec.draft_model``); the batch then has a non-greedy row.
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
@@ -157,6 +162,8 @@ class StepSampler:
                 x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
                 need_filter=self.state.needs_filter(slots_cpu),
             )
+            if accept is not None:
+                tokens = accept(x, tokens)
         else:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         shown = tokens if host_view is None else host_view(tokens)

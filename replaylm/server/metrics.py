@@ -106,7 +106,9 @@ def _spec_metrics(sp: Any) -> Iterator[Metric]:
                       ("draft_tokens_per_step", "draft tokens per verify step"),
                       ("verify_tokens_per_step", "tokens per verify step"),
                       ("padded_waste", "padded share of verify steps' tokens"),
-                      ("budget_tokens_per_step", "draft tokens the budget allows per step")):
+                      ("budget_tokens_per_step", "draft tokens the budget allows per step"),
+                      ("draft_ms_per_step", "milliseconds the drafter takes per step"),
+                      ("draft_forwards_per_step", "draft model steps per engine step")):
         yield GaugeMetricFamily(f"replaylm_spec_{name}", doc, value=d[name])
 
 

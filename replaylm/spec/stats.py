@@ -22,6 +22,8 @@ class SpecStats:
     layout_pad_tokens: int = 0  # of those, rows the ``padded`` layout added inside requests
     rejections: int = 0  # verifies that ended at a rejected draft (the rest accepted all)
     budget_tokens: int = 0  # adaptive budget: draft tokens it allowed, summed over steps
+    draft_seconds: float = 0.0  # wall time of the drafter's proposals (a draft model's steps)
+    draft_forwards: int = 0  # draft model steps run (catch-up and draft steps)
 
     def record_launch(self, scheduled: Sequence[Any], real: int, padded: int,
                       layout_pad: int = 0) -> None:
@@ -75,6 +77,8 @@ class SpecStats:
             "verify_tokens_per_step": self.verify_step_tokens / v,
             "budget_tokens_per_step": self.budget_tokens / max(1, self.steps)
             if self.budget == "adaptive" else self.num_speculative_tokens,
+            "draft_ms_per_step": 1000 * self.draft_seconds / max(1, self.steps),
+            "draft_forwards_per_step": self.draft_forwards / max(1, self.steps),
             "padded_waste": 1 - self.verify_step_tokens / self.verify_step_padded_tokens
             if self.verify_step_padded_tokens else 0.0,
             "verify_step_tokens": self.verify_step_tokens,
