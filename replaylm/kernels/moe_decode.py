@@ -48,8 +48,8 @@ from replaylm.kernels.pdl import wait_for_previous
 #: Tiles ``(BLOCK_N, BLOCK_K, num_warps)`` of the expert GEMVs that benchmarks/moe.py times
 #: against :func:`pick_config`'s choice (among them at the benchmark's shapes).
 CANDIDATES: list[tuple[int, int, int]] = [
-    (2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 512, 8), (32, 512, 8),
-    (4, 256, 4), (16, 256, 4), (32, 128, 4),
+    (2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 256, 8), (16, 512, 8),
+    (32, 128, 8), (32, 256, 8), (4, 256, 4), (16, 128, 4),
 ]
 #: Most (token, expert) assignments ``kernels.ops.fused_moe`` sends to :func:`gemv_moe`;
 #: above, the grouped path (``kernels.moe``). The GEMVs read an expert once per assignment
@@ -60,6 +60,9 @@ MAX_ASSIGNMENTS = 64
 #: Programs per SM :func:`pick_config` aims for: enough weight loads in flight to keep
 #: HBM busy while each program waits on its own.
 PROGRAMS_PER_SM = 4
+#: Most fp32 partial sums per program (``BLOCK_N × BLOCK_K`` per weight strip): with 8
+#: warps, 32 registers a lane, so several programs fit on an SM beside their loads.
+MAX_TILE = 8192
 
 
 @functools.cache
@@ -72,21 +75,22 @@ def pick_config(rows: int, n: int, k: int, device: torch.device | None = None,
                 operands: int = 1) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for a GEMV of ``rows`` independent rows (grid
     ``rows × cdiv(n, BLOCK_N)``) over reduction length ``k``, each program streaming
-    ``operands`` weight strips (gate and up: 2): chunks of up to 512 (16-byte loads per
-    lane; a masked tail where 512 does not divide ``k``), the widest strip whose grid still
-    reaches ``PROGRAMS_PER_SM`` programs per SM (2 rows otherwise), and 8 warps where the
-    fp32 partial sums would take more than 32 registers a lane with 4."""
+    ``operands`` weight strips (gate and up: 2). The strip is the widest whose grid still
+    reaches ``PROGRAMS_PER_SM`` programs per SM (2 rows otherwise); chunks are as long as
+    512 (16-byte loads per lane; a masked tail where they do not divide ``k``) and the
+    ``MAX_TILE`` fp32 partial sums allow; 8 warps above 4,096 partial sums (32 registers a
+    lane either way)."""
     if device is None or device.type != "cuda":
         sms = 132  # no GPU (the interpreter): an H100/H200's count, for the same tiles
     else:
         sms = _sm_count(device.index if device.index is not None
                         else torch.cuda.current_device())
-    block_k = min(512, triton.next_power_of_2(k))
     block_n = 2
     for bn in (32, 16, 8, 4):
         if rows * triton.cdiv(n, bn) >= PROGRAMS_PER_SM * sms:
             block_n = bn
             break
+    block_k = min(512, triton.next_power_of_2(k), MAX_TILE // (operands * block_n))
     return block_n, block_k, 4 if operands * block_n * block_k <= 4096 else 8
 
 

@@ -164,3 +164,22 @@ def test_shared_combine_matches_reference():
     got = moe_decode.shared_combine(routed, shared, x, gate_weight)
     expected = ref.shared_combine(routed, shared, x, gate_weight)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_engine_path_at_the_switch_matches_reference(extra):
+    """``ops.fused_moe`` on either side of ``MAX_ASSIGNMENTS`` (GEMVs, then grouped)."""
+    from replaylm.kernels import moe_decode, ops, ref
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    e, k, h, i, normalize = SHAPES["qwen1.5-moe-a2.7b"]
+    t = moe_decode.MAX_ASSIGNMENTS // k + extra
+    g = torch.Generator(device=dev).manual_seed(extra)
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02).to(dt)
+    w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
+    x = torch.randn(t, h, generator=g, device=dev).to(dt)
+    weights, ids = ops.route_topk(torch.randn(t, e, generator=g, device=dev).to(dt), k,
+                                  normalize)
+    got = ops.fused_moe(x, w_gate_up, w_down, weights, ids)
+    expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
