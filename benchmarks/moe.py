@@ -7,8 +7,8 @@ For each expert shape and token count ``T`` it times:
   normalisation) against the fused kernel (``moe_decode.route_topk``);
 - the experts: the grouped path (``moe.fused_moe``: grouping by expert, then grouped GEMMs)
   and the per-assignment GEMVs (``moe_decode.gemv_moe``) with the tiles ``pick_config``
-  picks, and (at ``--sweep-tokens``) each of the GEMVs' two kernels with every tile in
-  ``moe_decode.CANDIDATES``;
+  picks, and (at ``--sweep-tokens``) each of the GEMVs' two kernels with every tile of
+  ``moe_decode.candidates`` and the picked one;
 - the routed step as the engine runs it (``ops.route_topk`` + ``ops.fused_moe``, which
   switches paths at ``moe_decode.MAX_ASSIGNMENTS``) against the grouped step it replaces
   (reference routing + grouped kernels).
@@ -31,6 +31,7 @@ import json
 import time
 
 import torch
+import triton
 
 from replaylm.kernels import moe, moe_decode, ops, ref
 from replaylm.kernels.tuner import graph_time_us
@@ -116,21 +117,25 @@ def bench_tokens(name: str, shape: dict, t: int, dtype: torch.dtype, sweep: bool
         0)
     row("experts:grouped", time_calls(lambda n: moe.fused_moe(*layer.args(n))), both)
     dev = torch.device("cuda")
+    slots = triton.next_power_of_2(k)
+    picked = (moe_decode.pick_config(t * k, i, h, dev, operands=2),
+              moe_decode.pick_config(t, h, i, dev, operands=slots))
     row("experts:gemv", time_calls(lambda n: moe_decode.gemv_moe(*layer.args(n))), both,
-        [list(moe_decode.pick_config(t * k, i, h, dev, operands=2)),
-         list(moe_decode.pick_config(t, h, i, dev))])
+        [list(c) for c in picked])
     row("step:grouped", time_calls(lambda n: moe.fused_moe(
         *layer.args(n)[:3], *ref.route_topk(layer.logits[n], k, norm))), both)
     row("step:engine", time_calls(lambda n: ops.fused_moe(
         *layer.args(n)[:3], *ops.route_topk(layer.logits[n], k, norm))), both)
-    if sweep:
-        for cfg in moe_decode.CANDIDATES:
-            row("gate_up", time_calls(lambda n, cfg=cfg: moe_decode.gate_up_gemv(
-                layer.x, layer.w_gate_up[n % COPIES], layer.ids[n], cfg)),
-                layer.gate_up_bytes, cfg)
-            row("down", time_calls(lambda n, cfg=cfg: moe_decode.down_gemv(
-                layer.inter[n], layer.w_down[n % COPIES], layer.weights[n], layer.ids[n],
-                cfg)), layer.down_bytes, cfg)
+    if not sweep:
+        return rows
+    for cfg in dict.fromkeys(moe_decode.candidates(2, h) + [picked[0]]):
+        row("gate_up", time_calls(lambda n, cfg=cfg: moe_decode.gate_up_gemv(
+            layer.x, layer.w_gate_up[n % COPIES], layer.ids[n], cfg)),
+            layer.gate_up_bytes, cfg)
+    for cfg in dict.fromkeys(moe_decode.candidates(slots, i) + [picked[1]]):
+        row("down", time_calls(lambda n, cfg=cfg: moe_decode.down_gemv(
+            layer.inter[n], layer.w_down[n % COPIES], layer.weights[n], layer.ids[n], cfg)),
+            layer.down_bytes, cfg)
     return rows
 
 

@@ -14,24 +14,26 @@ depends only on ``T`` and the model's shapes, and each program reads its expert 
 * :func:`gemv_moe` — the routed experts (``ref.fused_moe``) in two launches:
   ``_gate_up_kernel`` over (assignment ``t·k + j``, strip of ``BLOCK_N`` intermediate
   columns) streams that expert's gate and up rows and stores ``silu(gate) * up``;
-  ``_down_kernel`` over (token, strip of ``BLOCK_N`` hidden columns) loops over the token's
-  ``k`` experts, scales each down projection by its routing weight and sums them in
-  registers in top-k order. No atomics and no extra pass over the ``k`` rows, so results
-  are deterministic: a replay and its eager re-run agree bit for bit. The fastest-varying
-  grid axis runs over assignments (tokens), so programs that share an expert's strip run
-  together and the repeats come from L2.
+  ``_down_kernel`` over (token, strip of ``BLOCK_N`` hidden columns) holds the strips of
+  all the token's ``k`` experts in one tile, scales each down projection by its routing
+  weight and sums them in registers. No atomics and no extra pass over the ``k`` rows, so
+  results are deterministic: a replay and its eager re-run agree bit for bit. With PDL the
+  down kernel starts loading its weight strips while the gate/up kernel still runs (the
+  gate/up kernel releases it only after waiting for the routing, so the expert ids are
+  final). The fastest-varying grid axis runs over assignments (tokens), so programs that
+  share an expert's strip run together and the repeats come from L2.
 * :func:`shared_combine` — ``routed + sigmoid(x @ gate_w^T) * shared`` in one launch (the
   shared expert's gate is a single dot product per token, computed in the same program).
 
 Rounding follows the references: projections accumulate in fp32 and round to the model
 dtype, as ``linear`` does, and so do the SiLU, the product and the weighted terms. The sum
-over a token's experts runs in fp32 in top-k order and rounds once (the grouped path's
-order; the reference rounds after each expert in expert order), so results agree with
-the references to rounding, not bit for bit.
+over a token's experts runs in fp32 and rounds once (the reference rounds after each
+expert, in expert order), so results agree with the references to rounding, not bit for
+bit.
 
 Tiles ``(BLOCK_N, BLOCK_K, num_warps)`` come from :func:`pick_config`, a rule on the
-shapes (512-wide chunks, and strips narrow enough for several programs per SM);
-``benchmarks/moe.py`` times every candidate in ``CANDIDATES`` against it.
+shapes (long chunks, strips narrow enough for several programs per SM, bounded partial
+sums); ``benchmarks/moe.py`` times the ``CANDIDATES`` against it.
 """
 
 from __future__ import annotations
@@ -41,15 +43,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
 
 #: Tiles ``(BLOCK_N, BLOCK_K, num_warps)`` of the expert GEMVs that benchmarks/moe.py times
-#: against :func:`pick_config`'s choice (among them at the benchmark's shapes).
+#: against :func:`pick_config`'s choice (``candidates`` keeps those within ``MAX_TILE``).
 CANDIDATES: list[tuple[int, int, int]] = [
-    (2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 256, 8), (16, 512, 8),
-    (32, 128, 8), (32, 256, 8), (4, 256, 4), (16, 128, 4),
+    (2, 512, 4), (2, 512, 8), (4, 512, 4), (4, 256, 4), (4, 256, 8), (8, 512, 4),
+    (8, 512, 8), (8, 256, 4), (8, 256, 8), (16, 256, 8), (16, 128, 4), (32, 128, 8),
 ]
 #: Most (token, expert) assignments ``kernels.ops.fused_moe`` sends to :func:`gemv_moe`;
 #: above, the grouped path (``kernels.moe``). The GEMVs read an expert once per assignment
@@ -63,6 +66,18 @@ PROGRAMS_PER_SM = 4
 #: Most fp32 partial sums per program (``BLOCK_N × BLOCK_K`` per weight strip): with 8
 #: warps, 32 registers a lane, so several programs fit on an SM beside their loads.
 MAX_TILE = 8192
+#: Chunks of the down strips up to which a program loads them whole before its PDL wait
+#: (``_down_kernel`` spells out four).
+MAX_UNROLL = 4
+
+
+def candidates(operands: int, k: int) -> list[tuple[int, int, int]]:
+    """The ``CANDIDATES`` a kernel streaming ``operands`` strips (gate/up: 2; down: ``k``
+    experts' to the next power of two) over reduction length ``k`` can use: at most
+    ``MAX_TILE`` partial sums, chunks no longer than ``k`` needs."""
+    longest = triton.next_power_of_2(k)
+    return [(bn, bk, w) for bn, bk, w in CANDIDATES
+            if operands * bn * bk <= MAX_TILE and bk <= longest]
 
 
 @functools.cache
@@ -75,21 +90,21 @@ def pick_config(rows: int, n: int, k: int, device: torch.device | None = None,
                 operands: int = 1) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for a GEMV of ``rows`` independent rows (grid
     ``rows × cdiv(n, BLOCK_N)``) over reduction length ``k``, each program streaming
-    ``operands`` weight strips (gate and up: 2). The strip is the widest whose grid still
-    reaches ``PROGRAMS_PER_SM`` programs per SM (2 rows otherwise); chunks are as long as
-    512 (16-byte loads per lane; a masked tail where they do not divide ``k``) and the
-    ``MAX_TILE`` fp32 partial sums allow; 8 warps above 4,096 partial sums (32 registers a
-    lane either way)."""
+    ``operands`` weight strips (gate and up: 2; down: one per expert slot). The strip is
+    the widest whose grid reaches ``PROGRAMS_PER_SM`` programs per SM, among those that
+    leave chunks of at least 256 (512 bytes a row) within ``MAX_TILE`` partial sums; the
+    chunk is as long as 512 (16-byte loads per lane; a masked tail where it does not
+    divide ``k``) and the tile allow; 8 warps above 4,096 partial sums (32 registers a lane
+    either way)."""
     if device is None or device.type != "cuda":
         sms = 132  # no GPU (the interpreter): an H100/H200's count, for the same tiles
     else:
         sms = _sm_count(device.index if device.index is not None
                         else torch.cuda.current_device())
-    block_n = 2
-    for bn in (32, 16, 8, 4):
-        if rows * triton.cdiv(n, bn) >= PROGRAMS_PER_SM * sms:
-            block_n = bn
-            break
+    shortest = min(256, triton.next_power_of_2(k))
+    widths = [bn for bn in (32, 16, 8, 4, 2) if operands * bn * shortest <= MAX_TILE] or [2]
+    block_n = next((bn for bn in widths if rows * triton.cdiv(n, bn) >= PROGRAMS_PER_SM * sms),
+                   widths[-1])
     block_k = min(512, triton.next_power_of_2(k), MAX_TILE // (operands * block_n))
     return block_n, block_k, 4 if operands * block_n * block_k <= 4096 else 8
 
@@ -147,6 +162,17 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
 
 
 @triton.jit
+def _wait_then_release(USE_PDL: tl.constexpr):
+    """The PDL wait, then let the next kernel be scheduled (``pdl.wait_for_previous`` in the
+    other order): once the next kernel runs, every program of this one has seen its
+    predecessor finish, so the next may read what that predecessor wrote before its own
+    wait (``_down_kernel`` reads the expert ids early)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _strip_dot(acc, w_ptrs, x_ptrs, n_mask, cols, K: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_N: tl.constexpr):
     """``acc`` ``[BLOCK_N, BLOCK_K]`` plus the elementwise products of a weight strip
@@ -177,7 +203,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H: tl.constexpr, INTER: tl
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     n_mask = offs_n < INTER
-    wait_for_previous(USE_PDL)  # the expert id is the previous kernel's output
+    _wait_then_release(USE_PDL)  # the expert id is the previous kernel's output
     e = tl.load(ids_ptr + a).to(tl.int64)
     x_ptrs = x_ptr + (a // TOP_K) * H + cols
     gate_ptrs = w_ptr + e * (2 * INTER * H) + offs_n[:, None].to(tl.int64) * H + cols[None, :]
@@ -193,28 +219,88 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H: tl.constexpr, INTER: tl
 
 
 @triton.jit
+def _down_chunk(w_base, e_off, offs_n, rows_ok, cols, k0, INTER: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_ROWS: tl.constexpr):
+    """Chunk ``k0`` of the down strips: ``[SLOTS·BLOCK_N, BLOCK_K]``, row ``j·BLOCK_N + n``
+    from expert ``e_j``'s row ``offs_n[n]``."""
+    ptrs = w_base + e_off[:, None] + offs_n[:, None].to(tl.int64) * INTER + (k0 + cols)[None, :]
+    if EVEN_ROWS and k0 + BLOCK_K <= INTER:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=rows_ok[:, None] & ((k0 + cols) < INTER)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _down_fma(acc, w, x_rows, cols, k0, INTER: tl.constexpr, BLOCK_K: tl.constexpr):
+    if k0 + BLOCK_K <= INTER:
+        x = tl.load(x_rows[:, None] + (k0 + cols)[None, :])
+    else:
+        x = tl.load(x_rows[:, None] + (k0 + cols)[None, :],
+                    mask=((k0 + cols) < INTER)[None, :], other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)
+
+
+@triton.jit
 def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexpr,
-                 INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+                 INTER: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_ROWS: tl.constexpr,
+                 CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[t] = sum_j weight[t, j] · (inter[t·k + j] @ down_e^T)`` over the token's ``k``
-    experts, for one ``BLOCK_N`` strip of the ``H`` outputs (``w`` is ``[E, H, I]``)."""
+    experts, for one ``BLOCK_N`` strip of the ``H`` outputs (``w`` is ``[E, H, I]``): one
+    ``[SLOTS·BLOCK_N, BLOCK_K]`` tile holds the strip of every expert (``SLOTS``: ``k`` to
+    the next power of two, the extra rows masked), so the ``k`` terms are summed in
+    registers.
+
+    The expert ids were written two kernels back, and ``_gate_up_kernel`` lets this kernel
+    be scheduled only after every one of its programs has waited for them, so they may be
+    read before this kernel's own PDL wait; a strip of up to ``MAX_UNROLL`` chunks
+    (``WHOLE``) is loaded then too, and streams while the gate/up kernel finishes."""
     t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, SLOTS * BLOCK_N)
+    slot = rows // BLOCK_N
+    offs_n = tl.program_id(1) * BLOCK_N + rows % BLOCK_N
+    real = slot < TOP_K
+    rows_ok = real & (offs_n < H)
     cols = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < H
+    a = t * TOP_K + slot
+    e_off = tl.load(ids_ptr + a, mask=real, other=0).to(tl.int64) * (H * INTER)
+    w0 = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, 0, INTER, BLOCK_K, EVEN_ROWS)
+    w1 = w0  # placeholders; chunks past the strip's end are never used
+    w2 = w0
+    w3 = w0
+    if WHOLE and CHUNKS > 1:
+        w1 = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, BLOCK_K, INTER, BLOCK_K,
+                         EVEN_ROWS)
+    if WHOLE and CHUNKS > 2:
+        w2 = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, 2 * BLOCK_K, INTER, BLOCK_K,
+                         EVEN_ROWS)
+    if WHOLE and CHUNKS > 3:
+        w3 = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, 3 * BLOCK_K, INTER, BLOCK_K,
+                         EVEN_ROWS)
     wait_for_previous(USE_PDL)
+    # Padded slots (their weights are masked to 0) read the token's first row, in bounds.
+    x_rows = inter_ptr + tl.where(real, a, t * TOP_K) * INTER
+    acc = _down_fma(tl.zeros((SLOTS * BLOCK_N, BLOCK_K), dtype=tl.float32), w0, x_rows, cols,
+                    0, INTER, BLOCK_K)
+    if WHOLE:
+        if CHUNKS > 1:
+            acc = _down_fma(acc, w1, x_rows, cols, BLOCK_K, INTER, BLOCK_K)
+        if CHUNKS > 2:
+            acc = _down_fma(acc, w2, x_rows, cols, 2 * BLOCK_K, INTER, BLOCK_K)
+        if CHUNKS > 3:
+            acc = _down_fma(acc, w3, x_rows, cols, 3 * BLOCK_K, INTER, BLOCK_K)
+    else:
+        for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):
+            w = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, k0, INTER, BLOCK_K,
+                            EVEN_ROWS)
+            acc = _down_fma(acc, w, x_rows, cols, k0, INTER, BLOCK_K)
     dt = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        a = t * TOP_K + j
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        weight = tl.load(weights_ptr + a).to(tl.float32)
-        w_ptrs = w_ptr + e * (H * INTER) + offs_n[:, None].to(tl.int64) * INTER + cols[None, :]
-        acc = _strip_dot(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w_ptrs,
-                         inter_ptr + a * INTER + cols, n_mask, cols, INTER, BLOCK_K, EVEN_N)
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * weight
-        total += y.to(dt).to(tl.float32)
-    tl.store(out_ptr + t * H + offs_n, total.to(dt), mask=n_mask)
+    weight = tl.load(weights_ptr + a, mask=real, other=0.0).to(tl.float32)
+    y = (tl.sum(acc, axis=1).to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
+    y = tl.where(real, y, 0.0)
+    total = tl.sum(tl.reshape(y, (SLOTS, BLOCK_N)), axis=0)
+    offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * H + offs_out, total.to(dt), mask=offs_out < H)
 
 
 def gate_up_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
@@ -239,16 +325,24 @@ def down_gemv(inter: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
               topk_ids: torch.Tensor, config: tuple[int, int, int] | None = None,
               ) -> torch.Tensor:
     """``out[t] = sum_j weight[t, j] · (inter[t·k + j] @ down_e^T)`` (``[T, H]``);
-    ``config`` as in :func:`gate_up_gemv`."""
+    ``config`` as in :func:`gate_up_gemv` (``BLOCK_N`` rows per expert; the tile has ``k``
+    times as many), :func:`pick_config` when None.
+
+    With PDL the kernel reads ``topk_ids`` before waiting for the kernel launched before it:
+    no kernel that may still be running may write them (true after :func:`gate_up_gemv`,
+    which releases its successor only once it has waited for its own predecessor)."""
     t, top_k = topk_ids.shape
     h, inter_size = w_down.shape[1:]
     out = torch.empty(t, h, dtype=inter.dtype, device=inter.device)
     if t == 0:
         return out
-    bn, bk, warps = config or pick_config(t, h, inter_size, inter.device)
+    slots = triton.next_power_of_2(top_k)
+    bn, bk, warps = config or pick_config(t, h, inter_size, inter.device, operands=slots)
+    chunks = triton.cdiv(inter_size, bk)
     _down_kernel[(t, triton.cdiv(h, bn))](
         inter, w_down, topk_ids.contiguous(), topk_weights.contiguous(), out, H=h,
-        INTER=inter_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=h % bn == 0,
+        INTER=inter_size, TOP_K=top_k, SLOTS=slots, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_ROWS=h % bn == 0 and slots == top_k, CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL,
         USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH)
     return out
 

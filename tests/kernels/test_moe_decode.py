@@ -81,6 +81,7 @@ GEMV_CASES = {
     "one_expert": (6, 6, 1, 32, 32, torch.tensor([0.0, 0.0, 80.0, 0.0, 0.0, 0.0]),
                    ((32, 32, 4), (32, 32, 4))),
     "ragged_tiles": (3, 9, 2, 40, 24, None, ((16, 32, 4), (32, 16, 4))),  # masked tails
+    "many_chunks": (2, 8, 3, 32, 40, None, ((8, 16, 4), (8, 8, 4))),  # down strip streamed
 }
 
 
@@ -142,10 +143,11 @@ def test_pick_config_covers_the_gpu_and_the_reduction(kernels):
     assert 4 * -(-1408 // bn) >= 4 * 132 and bk == 512 and warps == 8
     bn, bk, _ = pick(1, 2048, 1408)
     assert bn == 2 and bk == 512
-    assert pick(64, 1408, 2048)[:2] == (32, 256)  # many rows: wide strips, shorter chunks
+    assert pick(64, 1408, 2048)[:2] == (32, 256)  # many rows: wide strips
+    assert pick(64, 1408, 2048, operands=2)[:2] == (16, 256)  # chunks of 256 at least
     assert pick(1, 16, 24)[1] == 32  # short reductions: one chunk
     for rows in (1, 4, 16, 64, 256, 1024):
-        for operands in (1, 2):
+        for operands in (1, 2, 4, 8):
             bn, bk, warps = pick(rows, 1408, 2048, operands=operands)
             assert operands * bn * bk <= kernels.moe_decode.MAX_TILE
             assert operands * bn * bk <= 4096 or warps == 8
