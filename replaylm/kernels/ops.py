@@ -9,31 +9,53 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
-* ``route_topk`` — MoE routing: the torch reference on the device (softmax and top-k are
-  graph safe there).
-* :func:`fused_moe` — the routed experts: the grouped Triton kernels (``kernels.moe``) on
-  CUDA, the torch reference elsewhere.
+* :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_decode``).
+* :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
+  (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
+  grouped kernels (``kernels.moe``) above; the torch reference elsewhere.
+* :func:`shared_combine` — the shared expert's gated add, one launch on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from replaylm.kernels import moe, ref, skinny, tuner
+from replaylm.kernels import moe, moe_decode, ref, skinny, tuner
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
-from replaylm.kernels.ref import route_topk, split_qkv
+from replaylm.kernels.ref import split_qkv
 
 __all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
-           "silu_and_mul", "silu_linear", "split_qkv"]
+           "shared_combine", "silu_and_mul", "silu_linear", "split_qkv"]
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing (``ref.route_topk``): one fused launch on CUDA."""
+    if not router_logits.is_cuda:
+        return ref.route_topk(router_logits, top_k, normalize)
+    return moe_decode.route_topk(router_logits, top_k, normalize)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts (``ref.fused_moe``): grouped by expert in Triton on CUDA, so each
-    tile reads only its expert's weights."""
+    """The routed experts (``ref.fused_moe``) on CUDA, reading only the chosen experts'
+    weights: per-assignment GEMVs for at most ``moe_decode.MAX_ASSIGNMENTS`` (token,
+    expert) pairs (a host-known count: a tier always takes the same path), the grouped
+    kernels above."""
     if not x.is_cuda:
         return ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    if topk_ids.numel() <= moe_decode.MAX_ASSIGNMENTS:
+        return moe_decode.gemv_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def shared_combine(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                   gate_weight: torch.Tensor) -> torch.Tensor:
+    """``routed + sigmoid(x @ gate_weight^T) * shared`` (``ref.shared_combine``): one launch
+    on CUDA, gate included."""
+    if not x.is_cuda:
+        return ref.shared_combine(routed, shared, x, gate_weight)
+    return moe_decode.shared_combine(routed, shared, x, gate_weight)
 
 
 def _few_rows(x: torch.Tensor) -> bool:

@@ -133,6 +133,14 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
     return weights.to(router_logits.dtype), ids
 
 
+def shared_combine(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                   gate_weight: torch.Tensor) -> torch.Tensor:
+    """A Qwen2-MoE block's output: the routed experts' ``routed`` plus the shared expert's
+    ``shared`` scaled by its gate ``sigmoid(x @ gate_weight^T)`` (``gate_weight`` ``[1, H]``,
+    one scalar per row)."""
+    return routed + torch.sigmoid(linear(x, gate_weight)) * shared
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed experts: ``sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over the

@@ -4,8 +4,8 @@ A sparse layer's "after" part ends in :class:`SparseMoe` instead of the dense ga
 the router's top-k experts run on each token (``fused_moe``: per-expert weights packed at
 load into ``experts_gate_up`` ``[E, 2I, H]`` and ``experts_down`` ``[E, H, I]``), and a
 shared expert, when the checkpoint has one, adds ``sigmoid(shared_expert_gate(x)) *
-shared(x)``. The block stays inside the "after" part, so graphs cut the chain at attention
-as for dense models.
+shared(x)`` (``shared_combine``: on CUDA one launch that also computes the gate). The block
+stays inside the "after" part, so graphs cut the chain at attention as for dense models.
 
 The shared expert does not depend on the routed experts. While a CUDA graph is being
 captured, for at most ``side_stream_max_tokens`` rows, it is issued on a side stream forked
@@ -58,14 +58,15 @@ class SparseMoe(nn.Module):
         if self.shared_gate_up is None:
             return routed
         if side is None:
-            return routed + self._shared(x, k)
-        with torch.cuda.stream(side):
             shared = self._shared(x, k)
-        main.wait_stream(side)  # join before the add
-        # Every tensor the side branch touches is released on the main stream only after
-        # this join, and the next fork waits for the main stream, so no allocation is reused
-        # while the other branch may still read it.
-        return routed + shared
+        else:
+            with torch.cuda.stream(side):
+                shared = self._shared(x, k)
+            main.wait_stream(side)  # join before the add
+            # Every tensor the side branch touches is released on the main stream only
+            # after this join, and the next fork waits for the main stream, so no
+            # allocation is reused while the other branch may still read it.
+        return k.shared_combine(routed, shared, x, self.shared_expert_gate.weight)
 
     def _routed(self, x: torch.Tensor, k) -> torch.Tensor:
         logits = k.linear(x, self.gate.weight)
@@ -73,9 +74,8 @@ class SparseMoe(nn.Module):
         return k.fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids)
 
     def _shared(self, x: torch.Tensor, k) -> torch.Tensor:
-        gate = torch.sigmoid(k.linear(x, self.shared_expert_gate.weight))
-        return gate * k.silu_linear(k.linear(x, self.shared_gate_up.weight),
-                                    self.shared_down.weight)
+        """The shared expert's MLP, before its gate (``shared_combine`` applies the gate)."""
+        return k.silu_linear(k.linear(x, self.shared_gate_up.weight), self.shared_down.weight)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream when this call forks: a shared expert, CUDA graph capture and at

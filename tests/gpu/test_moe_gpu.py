@@ -90,3 +90,96 @@ def test_grouped_moe_in_a_graph_serves_any_routing(t):
         ids.copy_(i2)
         graph.replay()
         assert torch.equal(out, moe.fused_moe(x, w_gate_up, w_down, weights, ids))
+
+
+SHAPES = {  # experts, top_k, hidden, expert FFN, renormalise
+    "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408, False),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, True),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("t", [1, 5, 64, 300])
+def test_fused_routing_matches_reference(shape, t):
+    """One launch of softmax, top-k and renormalisation: the reference's weights, and ids
+    that are a top-k of the probabilities (bf16 logits may tie; the kernel takes the lower
+    id, the reference's order on ties is unspecified)."""
+    from replaylm.kernels import moe_decode, ref
+
+    e, k, _, _, normalize = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(t)
+    logits = (torch.randn(t, e, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    weights, ids = moe_decode.route_topk(logits, k, normalize)
+    ref_w, _ = ref.route_topk(logits, k, normalize)
+    torch.testing.assert_close(weights.float(), ref_w.float(), rtol=1e-2, atol=1e-3)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, k, dim=-1).values
+    torch.testing.assert_close(probs.gather(1, ids), top, rtol=1e-5, atol=1e-7)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # k distinct experts per token
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_gemv_moe_in_a_graph_serves_any_routing(shape, t):
+    """The per-assignment GEMVs at the real expert shapes in bf16: close to the torch
+    reference, and one capture replays any routing with the bits of an eager run."""
+    from replaylm.kernels import moe_decode, ref
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    e, k, h, i, normalize = SHAPES[shape]
+    g = torch.Generator(device=dev).manual_seed(t)
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02).to(dt)
+    w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
+    x = torch.randn(t, h, generator=g, device=dev).to(dt)
+    logits = torch.randn(t, e, generator=g, device=dev).to(dt)
+    weights, ids = moe_decode.route_topk(logits, k, normalize)
+    expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
+    got = moe_decode.gemv_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        w_out, i_out = moe_decode.route_topk(logits, k, normalize)
+        out = moe_decode.gemv_moe(x, w_gate_up, w_down, w_out, i_out)
+    for seed in range(3):
+        logits.copy_(torch.randn(t, e, generator=g, device=dev).to(dt))
+        if seed == 1:
+            logits[:, 5] += 50  # every token on expert 5
+        graph.replay()
+        eager_w, eager_i = moe_decode.route_topk(logits, k, normalize)
+        assert torch.equal(i_out, eager_i) and torch.equal(w_out, eager_w)
+        assert torch.equal(out, moe_decode.gemv_moe(x, w_gate_up, w_down, eager_w, eager_i))
+        if seed == 1:
+            assert (i_out[:, 0] == 5).all()
+
+
+def test_shared_combine_matches_reference():
+    from replaylm.kernels import moe_decode, ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    routed, shared, x = (torch.randn(7, 2048, generator=g, device="cuda").to(torch.bfloat16)
+                         for _ in range(3))
+    gate_weight = (torch.randn(1, 2048, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    got = moe_decode.shared_combine(routed, shared, x, gate_weight)
+    expected = ref.shared_combine(routed, shared, x, gate_weight)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_engine_path_at_the_switch_matches_reference(extra):
+    """``ops.fused_moe`` on either side of ``MAX_ASSIGNMENTS`` (GEMVs, then grouped)."""
+    from replaylm.kernels import moe_decode, ops, ref
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    e, k, h, i, normalize = SHAPES["qwen1.5-moe-a2.7b"]
+    t = moe_decode.MAX_ASSIGNMENTS // k + extra
+    g = torch.Generator(device=dev).manual_seed(extra)
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g, device=dev) * 0.02).to(dt)
+    w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
+    x = torch.randn(t, h, generator=g, device=dev).to(dt)
+    weights, ids = ops.route_topk(torch.randn(t, e, generator=g, device=dev).to(dt), k,
+                                  normalize)
+    got = ops.fused_moe(x, w_gate_up, w_down, weights, ids)
+    expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)

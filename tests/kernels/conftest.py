@@ -31,7 +31,8 @@ if "triton" not in sys.modules and (os.environ.get(CHILD_FLAG) or not torch.cuda
 _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.rope", "replaylm.kernels.attention_kernel",
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny", "replaylm.kernels.tuner",
-            "replaylm.kernels.moe", "replaylm.kernels.ops", "replaylm.kernels.argmax", "replaylm.kernels.step_inputs")
+            "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.ops",
+            "replaylm.kernels.argmax", "replaylm.kernels.step_inputs")
 
 
 def _compiled_kernels(mod) -> bool:
@@ -72,5 +73,6 @@ def kernels():
                           skinny=by_name["skinny"], elementwise=by_name["elementwise"],
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
+                          moe_decode=by_name["moe_decode"],
                           backend=TritonAttentionBackend())
     undo_shim()

@@ -209,7 +209,8 @@ def test_shared_expert_forks_onto_the_side_stream_only_while_capturing(monkeypat
         return op
 
     kernels = SimpleNamespace(linear=ref.linear, route_topk=ref.route_topk,
-                              fused_moe=logged("fused_moe"), silu_linear=logged("silu_linear"))
+                              fused_moe=logged("fused_moe"), silu_linear=logged("silu_linear"),
+                              shared_combine=logged("shared_combine"))
     cfg, _ = load_model_config("qwen1.5-moe-a2.7b")
     cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 32, "num_experts": 6,
                          "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24})
@@ -220,13 +221,15 @@ def test_shared_expert_forks_onto_the_side_stream_only_while_capturing(monkeypat
     block.side_stream, block.side_stream_max_tokens = _FakeStream("side", log, current), 8
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
     inline = block(x, kernels)
-    assert log == ["fused_moe on main", "silu_linear on main"] and block.forks == 0
+    assert log == ["fused_moe on main", "silu_linear on main", "shared_combine on main"]
+    assert block.forks == 0
     log.clear()
     capturing[0] = True
     forked = block(x, kernels)
     assert log == ["side waits main", "fused_moe on main", "silu_linear on side",
-                   "main waits side"]
+                   "main waits side", "shared_combine on main"]
     assert block.forks == 1 and torch.equal(forked, inline)
     log.clear()
     block(torch.randn(9, 32), kernels)  # above the row limit: inline even while capturing
-    assert log == ["fused_moe on main", "silu_linear on main"] and block.forks == 1
+    assert log == ["fused_moe on main", "silu_linear on main", "shared_combine on main"]
+    assert block.forks == 1
