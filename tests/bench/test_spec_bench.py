@@ -69,13 +69,12 @@ def test_spec_bench_writes_every_part(tmp_path, capsys):
     assert set(draft) == {"draft-model", "self-draft"}
     assert draft["draft-model"]["model"] == "llama3.2-1b"
     assert draft["self-draft"]["model"] == "default"
-    for r in draft.values():
-        if r["error"] is not None:  # the draft_model drafter is not in this version
-            assert "draft_model" in r["error"] and "not available" in r["error"]
-        else:
-            assert r["tok_s"] > 0 and r["speedup"] > 0
-    if draft["self-draft"]["error"] is None:  # the target drafting for itself: all accepted
-        assert draft["self-draft"]["acceptance_rate"] > 0.9
+    # The default draft model does not share the built-in model's vocabulary: the row
+    # carries the start-up error and the run goes on.
+    assert "vocabulary" in draft["draft-model"]["error"]
+    self_draft = draft["self-draft"]
+    assert self_draft["error"] is None and self_draft["tok_s"] > 0 and self_draft["speedup"] > 0
+    assert self_draft["acceptance_rate"] > 0.9  # the target drafting for itself (fp32, greedy)
 
     for suffix in ("verify", "acceptance", "drafters"):
         assert_png(tmp_path / f"spec_{suffix}.png")
