@@ -24,6 +24,7 @@ from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
 from replaylm.model.loader import default_model_weights
+from replaylm.model.parallel import TensorParallel
 from replaylm.model.shapes import DEFAULT_MODEL_DIR
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
@@ -36,19 +37,25 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
+def weights_dir_of(args: EngineArgs, cfg: ModelConfig, model_dir: Path | None) -> Path | None:
+    """Where the model's weights are read from (the built-in model's: made once, cached)."""
+    if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
+        return default_model_weights(cfg) if args.load_format != "dummy" else None
+    return model_dir
+
+
 class EngineCore:
     """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, tp: TensorParallel | None = None) -> None:
+        """``tp``: this engine is the leader of a tensor-parallel group (``distributed``)."""
         self.args = args
         self.model_config, model_dir = load_model_config(args.model)
         cfg = self.model_config
-        weights_dir = model_dir
-        if model_dir is not None and model_dir.resolve() == Path(DEFAULT_MODEL_DIR).resolve():
-            weights_dir = default_model_weights(cfg) if args.load_format != "dummy" else None
+        weights_dir = weights_dir_of(args, cfg, model_dir)
         self.max_model_len = self._resolve_max_model_len(args, cfg)
         self.tokenizer = load_tokenizer(args, model_dir)
-        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len)
+        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len, tp)
         self.graph_mode = self.runner.graph_mode
         self.block_manager = BlockManager(self.runner.num_blocks,
                                           enable_prefix_caching=args.enable_prefix_caching)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -23,6 +26,7 @@ from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
+from replaylm.model.parallel import TensorParallel, shard_config
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
 from replaylm.spec.acceptance import emitted_rows
@@ -61,11 +65,49 @@ def make_attention_backend(requested: str, device: torch.device, mode: str) -> A
     return TorchDenseAttentionBackend() if name == "torch_dense" else TorchAttentionBackend()
 
 
+@dataclass
+class StepInput:
+    """One step as a tensor-parallel leader sends it to the other ranks of its group: the
+    host batch, the sampling settings of newly slotted requests, and the prompt-logprob rows
+    (host tensors, without the requests)."""
+
+    host: HostBatch
+    admitted: list[SimpleNamespace]
+    plan: PromptLogprobPlan | None
+
+    @staticmethod
+    def of(out: SchedulerOutput, host: HostBatch) -> StepInput:
+        admitted = [SimpleNamespace(slot=r.slot, sampling_params=r.sampling_params, seed=r.seed,
+                                    prompt_token_ids=r.prompt_token_ids,
+                                    output_token_ids=r.output_token_ids,
+                                    eos_token_ids=r.eos_token_ids)
+                    for r in out.newly_slotted]
+        plan = plan_prompt_logprobs(out, torch.device("cpu"))
+        if plan is not None:
+            plan = dataclasses.replace(plan, spans=[])
+        return StepInput(host, admitted, plan)
+
+
 class ModelRunner:
+    """Owns the model, the KV pool and the per-slot device state; runs steps.
+
+    With ``tp`` (tensor parallel) it holds one rank's shard (``cfg`` is then the shard's
+    shapes) and every rank of the group runs the same steps: the leader's ``execute`` hands
+    each step's ``StepInput`` to ``broadcast`` (set by ``replaylm.distributed``), and the
+    other ranks run it with ``run_step``. Sampling is replicated: every rank holds the full
+    logits and the same per-slot state, so every rank samples the same tokens.
+    """
+
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
-                 max_model_len: int) -> None:
+                 max_model_len: int, tp: TensorParallel | None = None) -> None:
         self.args = args
+        full_cfg = cfg
+        if tp is not None:
+            cfg = shard_config(cfg, tp.size)
         self.cfg = cfg
+        self.tp = tp
+        # Tensor parallel leader: sends each step's input to the other ranks of its group.
+        self.broadcast: Callable[[tuple], None] | None = None
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.graph_mode = resolve_mode(args.cuda_graph_mode, args.enforce_eager, self.device.type)
@@ -88,7 +130,7 @@ class ModelRunner:
         self.pdl = self._configure_pdl()
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
-            cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
+            cfg, model_dir, args.load_format, self.dtype, self.device, args.seed, tp, full_cfg
         )
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
@@ -102,6 +144,8 @@ class ModelRunner:
                                    max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()
         self.num_blocks = self._decide_num_blocks()
+        if tp is not None:  # the leader's block ids index every rank's pool
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self.model.bind(self.attn, self.kv_caches, max_model_len)
@@ -262,11 +306,32 @@ class ModelRunner:
         host = build_host_batch(out, self.max_blocks_per_req)
         if on_launch is not None:
             on_launch()
-        for req in out.newly_slotted:
+        if self.broadcast is None:
+            return self._launch(host, out.newly_slotted, plan_prompt_logprobs(out, self.device),
+                                agree)
+        step = StepInput.of(out, host)
+        self.broadcast(("step", step))
+        plan = step.plan
+        if plan is not None:  # the leader's plan keeps the requests (its output spans)
+            plan = plan_prompt_logprobs(out, self.device)
+        return self._launch(host, out.newly_slotted, plan, agree)
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput, agree: Agree | None = None
+                 ) -> tuple[PendingStep | None, Dispatch, int]:
+        """A tensor-parallel rank's part of the step its leader launched (``execute``)."""
+        plan = step.plan
+        if plan is not None:
+            plan = dataclasses.replace(plan, rows=plan.rows.to(self.device),
+                                       targets=plan.targets.to(self.device))
+        return self._launch(step.host, step.admitted, plan, agree)
+
+    def _launch(self, host: HostBatch, admitted: list, plan: PromptLogprobPlan | None,
+                agree: Agree | None) -> tuple[PendingStep | None, Dispatch, int]:
+        for req in admitted:
             self.admit(req)
         self.sampler.flush()
         self.buffers.update_block_tables(host)
-        plan = plan_prompt_logprobs(out, self.device)
         if plan is None:
             res = self.graphs.run(host, agree)
             logits, greedy, batch = res.logits, res.greedy, res.batch
@@ -298,6 +363,8 @@ class ModelRunner:
     @torch.inference_mode()
     def idle(self, agree: Agree) -> Dispatch:
         """A data-parallel step with no work on this rank (``GraphRuntime.run_idle``)."""
+        if self.broadcast is not None:
+            self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):
