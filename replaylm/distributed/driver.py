@@ -212,21 +212,25 @@ class DataParallelEngine:
             waitables = [self.conns[r] for r in watched] + [self.procs[r].sentinel
                                                            for r in watched]
             wait(waitables, timeout=min(left, 1.0))
+            # A rank that died silently is named first: the faults it causes in the ranks
+            # sharing its collectives or pipes are consequences.
+            arrived: dict[int, tuple] = {}
             for r in watched:
                 conn = self.conns[r]
                 if conn.poll():
                     try:
-                        msg = conn.recv()
+                        arrived[r] = conn.recv()
                     except (EOFError, OSError):
                         self._fail(r, self._exit_text(r))
-                    if msg[0] == "fault":
-                        self._fail(r, f"failed during {op!r}:\n{msg[1]}")
-                    if r not in pending:
-                        self._fail(r, f"sent {msg[0]!r} unasked during {op!r}")
-                    replies[r] = msg
-                    pending.discard(r)
                 elif not self.procs[r].is_alive():
                     self._fail(r, self._exit_text(r))
+            for r, msg in arrived.items():
+                if msg[0] == "fault":
+                    self._fail(r, f"failed during {op!r}:\n{msg[1]}")
+                if r not in pending:
+                    self._fail(r, f"sent {msg[0]!r} unasked during {op!r}")
+                replies[r] = msg
+                pending.discard(r)
         return replies
 
     def _exit_text(self, rank: int) -> str:
