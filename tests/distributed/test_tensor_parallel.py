@@ -210,3 +210,21 @@ def test_ragged_tp2_matches_tp1_through_the_graph_stand_in(qwen3):
         g = llm.graph_stats()
         assert sum(g["hits"].values()) >= 5 and g["checks"] >= 5
         assert g["fallbacks"]  # the long prompt's chunks ran eagerly
+
+
+def test_tp2_by_dp2_matches_tp1_and_an_idle_group_replays_the_agreed_tier(llama):
+    """Four ranks: two data-parallel ranks, each a tensor-parallel group of two. While one
+    group prefills and decodes a lone request, both ranks of the other replay the agreed
+    graph on padding (their all-reduces meet inside it)."""
+    lone = [[5 + (3 * j) % 200 for j in range(12)]]
+    kw = _kw("ragged") | dict(graph_tiers="4,16")  # two captures per rank
+    single = LLM(str(llama), **kw)
+    want, want_lone = _tokens(single, PROMPTS[:4]), _tokens(single, lone)
+    with LLM(str(llama), tensor_parallel_size=2, data_parallel_size=2, **kw) as llm:
+        assert len(llm.engine.procs) == 4
+        assert _tokens(llm, PROMPTS[:4]) == want
+        before = [r["dummy_steps"] for r in llm.graph_stats()["ranks"]]
+        assert _tokens(llm, lone) == want_lone
+        after = [r["dummy_steps"] for r in llm.graph_stats()["ranks"]]
+    idle = [sum(a.values()) - sum(b.values()) for a, b in zip(after, before)]
+    assert sorted(idle)[0] == 0 and sorted(idle)[1] >= GREEDY.max_tokens - 1
