@@ -19,9 +19,11 @@ import dataclasses
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from time import monotonic
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as tmp
@@ -35,6 +37,15 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.model.parallel import check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddedRequest:
+    """What ``add_request`` tells the caller: the prompt's length and the owning rank."""
+
+    request_id: str
+    num_prompt_tokens: int
+    rank: int
 
 
 class DataParallelError(RuntimeError):
@@ -89,9 +100,15 @@ class DataParallelEngine:
         for recv_end, send_end in tp_pipes.values():
             recv_end.close()
             send_end.close()
-        info = self._gather(range(self.world), "start")[0]
+        infos = self._gather(range(self.world), "start")
+        info = infos[0]
         self.device, self.dtype = info["device"], info["dtype"]
         self.graph_mode = info["graph_mode"]
+        # The ranks' latest statistics, as their step replies bring them (``live_stats``).
+        self._snapshots = [infos[g]["stats"] for g in self.leaders]
+        self.rejected = 0  # requests the driver refused before any rank saw them
+        self.live_stats = EngineStats(graph_mode=self.graph_mode)
+        self._refresh_live()
         self.load = [0] * self.size  # tokens of each rank's running + waiting requests
         self.busy = [False] * self.size  # whether each rank has unfinished work
         self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
@@ -99,12 +116,17 @@ class DataParallelEngine:
     # Requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None) -> AddedRequest:
         params = params or SamplingParams()
-        if request_id in self.owner:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        try:
+            if request_id in self.owner:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            ids = self.tokenize(prompt)
+            self.validate(ids, params)
+        except ValueError:
+            self.rejected += 1
+            self.live_stats.requests_rejected += 1
+            raise
         rank = min(range(self.size), key=lambda r: (self.load[r], r))
         status, value = self._call(self.leaders[rank], "add", request_id, ids, params)
         if status == "invalid":
@@ -112,6 +134,9 @@ class DataParallelEngine:
         self.load[rank] = value
         self.busy[rank] = True
         self.owner[request_id] = [rank, params.n]
+        self.live_stats.requests_added += 1
+        self.live_stats.prompt_tokens += len(ids)
+        return AddedRequest(request_id, len(ids), rank)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request on the rank that owns it; False if unknown or done."""
@@ -127,8 +152,11 @@ class DataParallelEngine:
         """One step of every rank (ranks with no work take part in the tier agreement)."""
         replies = self._gather(self.leaders, "step")
         deltas: list[RequestDelta] = []
-        for rank, (rank_deltas, busy, load) in enumerate(replies):
+        fresh = False
+        for rank, (rank_deltas, busy, load, snapshot) in enumerate(replies):
             self.busy[rank], self.load[rank] = busy, load
+            if snapshot is not None:
+                self._snapshots[rank], fresh = snapshot, True
             for d in rank_deltas:
                 entry = self.owner.get(d.request_id)
                 if d.finished and entry is not None:
@@ -136,6 +164,8 @@ class DataParallelEngine:
                     if entry[1] == 0:
                         del self.owner[d.request_id]
             deltas += rank_deltas
+        if fresh:
+            self._refresh_live()
         return deltas
 
     # Statistics ----------------------------------------------------------------------------
@@ -147,18 +177,35 @@ class DataParallelEngine:
     @property
     def stats(self) -> EngineStats:
         """The ranks' engine counters, summed (gauges too: running, waiting, KV blocks)."""
-        per_rank = [s for s, _ in self.rank_stats()]
+        return self._summed([s for s, _ in self.rank_stats()])
+
+    def _summed(self, per_rank: list[EngineStats]) -> EngineStats:
         total = EngineStats(graph_mode=self.graph_mode)
         for f in dataclasses.fields(EngineStats):
             values = [getattr(s, f.name) for s in per_rank]
             if isinstance(values[0], int | float | dict) and not isinstance(values[0], bool):
                 setattr(total, f.name, _sum(values))
         total.last_step = per_rank[0].last_step
+        total.requests_rejected += self.rejected
         return total
+
+    def _refresh_live(self) -> None:
+        """Update ``live_stats`` in place from the ranks' latest snapshots: what a reader on
+        another thread (the server's ``/metrics``) sees, without a message to any rank. Its
+        counters lag the ranks by at most ``worker.SNAPSHOT_EVERY_S`` while they run and are
+        exact once they are idle."""
+        total = self._summed([s for s, _ in self._snapshots])
+        for f in dataclasses.fields(EngineStats):
+            setattr(self.live_stats, f.name, getattr(total, f.name))
+        self.live_stats.graphs = SimpleNamespace(**self._summed_graphs(
+            [g for _, g in self._snapshots]))
 
     def graph_stats(self) -> dict:
         """The ranks' graph statistics summed, and each rank's under ``ranks``."""
-        per_rank = [g for _, g in self.rank_stats()]
+        return self._summed_graphs([g for _, g in self.rank_stats()])
+
+    @staticmethod
+    def _summed_graphs(per_rank: list[dict]) -> dict:
         total = _sum(per_rank)
         padded = total["padded_tokens"]
         total["padding_share"] = round(1 - total["real_tokens"] / padded, 4) if padded else 0.0

@@ -18,6 +18,8 @@ with a fault; the driver watches every process, so a follower that dies is named
 from __future__ import annotations
 
 import dataclasses
+import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -29,7 +31,12 @@ from replaylm.distributed.agreement import TierAgreement, init_group, tensor_par
 from replaylm.engine.core import EngineCore, weights_dir_of
 from replaylm.engine.loading import load_model_config
 from replaylm.engine.model_runner import ModelRunner, resolve_device
+from replaylm.engine.stats import EngineStats
 from replaylm.model.parallel import TensorParallel
+
+#: Seconds between the statistics a leader attaches to its step replies (the driver's live
+#: view, which the server's ``/metrics`` reads); a rank that runs out of work always sends.
+SNAPSHOT_EVERY_S = 0.25
 
 
 def load_tokens(core: EngineCore) -> int:
@@ -42,6 +49,9 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
                 tp_conns: list[Connection]) -> None:
     """The worker process's entry point (``torch.multiprocessing`` spawn target).
     ``tp_conns``: a leader's pipes to its followers, or a follower's one pipe from its leader."""
+    # The driver owns the workers' lifetime: Ctrl-C reaches the driver (a server then drains
+    # its requests through the workers), never a worker on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         dp, tp = args.data_parallel_size, args.tensor_parallel_size
         cuda = resolve_device(args.device).type == "cuda"
@@ -86,7 +96,8 @@ def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | N
 
         core.runner.broadcast = broadcast
     conn.send(("ok", {"device": core.device, "dtype": core.dtype,
-                      "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks}))
+                      "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks,
+                      "stats": _snapshot(core)}))
     while True:
         op, *rest = conn.recv()
         if op == "shutdown":
@@ -115,10 +126,18 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             return
 
 
+def _snapshot(core: EngineCore) -> tuple[EngineStats, dict]:
+    """The engine's counters (without the live graph and spec objects) and graph stats."""
+    core.snapshot_at = time.monotonic()
+    return dataclasses.replace(core.stats, graphs=None, spec=None), core.graph_stats()
+
+
 def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
     if op == "step":
         deltas = core.step()
-        return "ok", (deltas, core.has_unfinished(), load_tokens(core))
+        busy = core.has_unfinished()
+        due = not busy or time.monotonic() - core.snapshot_at >= SNAPSHOT_EVERY_S
+        return "ok", (deltas, busy, load_tokens(core), _snapshot(core) if due else None)
     if op == "add":
         try:
             core.add_request(*args)
@@ -128,6 +147,5 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
     if op == "abort":
         return "ok", core.abort(*args)
     if op == "stats":
-        stats = dataclasses.replace(core.stats, graphs=None, spec=None)
-        return "ok", (stats, core.graph_stats())
+        return "ok", _snapshot(core)
     raise ValueError(f"unknown worker message {op!r}")

@@ -47,14 +47,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown."""
     try:
-        import uvicorn  # noqa: F401  (the server extra)
-
-        from replaylm.server.app import build_app
-        from replaylm.server.graceful import GracefulServer
+        import fastapi  # noqa: F401  (the server extra)
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"replaylm serve needs the server extra ({e.name} is missing): "
               "pip install 'replaylm[server]'", file=sys.stderr)
         return 1
+    from replaylm.distributed.driver import DataParallelEngine
     from replaylm.engine.core import EngineCore
 
     for flag, value in (("--max-queue", ns.max_queue), ("--max-request-bytes",
@@ -66,12 +65,23 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
               f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
         return 2
-    if ns.data_parallel_size > 1:
-        print(f"--data-parallel-size={ns.data_parallel_size} is not served yet: the server "
-              "runs one engine (use LLM(..., data_parallel_size=N) offline)", file=sys.stderr)
-        return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    core = EngineCore(EngineArgs.from_cli_args(ns))
+    args = EngineArgs.from_cli_args(ns)
+    if args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
+        core = DataParallelEngine(args)  # worker processes; ended when the server stops
+    else:
+        core = EngineCore(args)
+    try:
+        return _serve(ns, core)
+    finally:
+        if isinstance(core, DataParallelEngine):
+            core.shutdown()
+
+
+def _serve(ns: argparse.Namespace, core: Any) -> int:
+    from replaylm.server.app import build_app
+    from replaylm.server.graceful import GracefulServer
+
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
                     max_request_bytes=ns.max_request_bytes)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
