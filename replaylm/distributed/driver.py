@@ -104,6 +104,8 @@ class DataParallelEngine:
         info = infos[0]
         self.device, self.dtype = info["device"], info["dtype"]
         self.graph_mode = info["graph_mode"]
+        self.tune_seconds = info["tune_seconds"]  # rank 0's kernel tuning at start-up
+        self.step_observer = None
         # The ranks' latest statistics, as their step replies bring them (``live_stats``).
         self._snapshots = [infos[g]["stats"] for g in self.leaders]
         self.rejected = 0  # requests the driver refused before any rank saw them
@@ -149,7 +151,12 @@ class DataParallelEngine:
         return any(self.busy)
 
     def step(self) -> list[RequestDelta]:
-        """One step of every rank (ranks with no work take part in the tier agreement)."""
+        """One step of every rank (ranks with no work take part in the tier agreement).
+        A ``step_observer`` (``bench.observer``) sees its begin and end only: the launch and
+        the wait happen in the workers."""
+        obs = self.step_observer
+        if obs is not None:
+            obs.begin()
         replies = self._gather(self.leaders, "step")
         deltas: list[RequestDelta] = []
         fresh = False
@@ -166,6 +173,8 @@ class DataParallelEngine:
             deltas += rank_deltas
         if fresh:
             self._refresh_live()
+        if obs is not None:
+            obs.end(bool(deltas))
         return deltas
 
     # Statistics ----------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | N
         core.runner.broadcast = broadcast
     conn.send(("ok", {"device": core.device, "dtype": core.dtype,
                       "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks,
-                      "stats": _snapshot(core)}))
+                      "tune_seconds": core.runner.tune_seconds, "stats": _snapshot(core)}))
     while True:
         op, *rest = conn.recv()
         if op == "shutdown":
@@ -114,7 +114,8 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
     runner = ModelRunner(args, cfg, weights_dir_of(args, cfg, model_dir),
                          EngineCore._resolve_max_model_len(args, cfg), tpc)
     conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
-                      "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks}))
+                      "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
+                      "tune_seconds": runner.tune_seconds}))
     while True:
         op, *rest = leader.recv()
         if op == "step":
