@@ -183,13 +183,29 @@ def test_the_vocabulary_pads_to_a_multiple_of_the_ranks_and_kv_heads_replicate(
 # Two processes --------------------------------------------------------------------------------
 
 
+def _sampled(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    """Seeded random sampling with penalties, and prompt logprobs: every rank samples the same
+    tokens from the same logits and per-slot state."""
+    params = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=i,
+                             presence_penalty=0.5, prompt_logprobs=2, ignore_eos=True)
+              for i in range(3)]
+    outs = llm.generate(PROMPTS[3:6], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.prompt_logprobs if lp is not None])
+            for o in outs]
+
+
 def test_eager_tp2_matches_tp1_and_a_killed_worker_is_named_within_the_timeout(llama):
-    want = _tokens(LLM(str(llama), **_kw("eager")))
+    single = LLM(str(llama), **_kw("eager"))
+    want, want_sampled = _tokens(single), _sampled(single)
     with LLM(str(llama), tensor_parallel_size=2, **_kw("eager")) as llm:
         procs = list(llm.engine.procs)
         assert len(procs) == 2
         assert _tokens(llm) == want
         assert llm.stats().requests_finished == len(PROMPTS)
+        for (tokens, lps), (want_tokens, want_lps) in zip(_sampled(llm), want_sampled):
+            assert tokens == want_tokens
+            assert len(lps) == len(want_lps) > 0
+            assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
         # The follower killed between steps: named (not its leader, whose pipe breaks).
         os.kill(procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
@@ -228,3 +244,20 @@ def test_tp2_by_dp2_matches_tp1_and_an_idle_group_replays_the_agreed_tier(llama)
         after = [r["dummy_steps"] for r in llm.graph_stats()["ranks"]]
     idle = [sum(a.values()) - sum(b.values()) for a, b in zip(after, before)]
     assert sorted(idle)[0] == 0 and sorted(idle)[1] >= GREEDY.max_tokens - 1
+
+
+def test_one_rank_calls_no_collective(qwen3, monkeypatch):
+    """tensor_parallel_size=1 runs the single-GPU path: no torch.distributed call at all."""
+    import torch.distributed as dist
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a collective at tensor_parallel_size=1")
+
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                 "broadcast", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, forbidden)
+    llm = LLM(str(qwen3), **_kw("ragged"))
+    assert llm.engine.runner.model.tp is None and llm.engine.runner.broadcast is None
+    assert len(_tokens(llm, PROMPTS[:3])) == 3
+    assert sum(llm.graph_stats()["hits"].values()) > 0
