@@ -110,6 +110,10 @@ def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | N
 
 def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             conn: Connection, leader: Connection) -> None:
+    """Run every step the leader sends. The follower never waits for its own samples: its
+    staging buffers (two rows, alternating) are safe because every step's collectives tie
+    its device to the leader's, and the leader sends step N + 2 only after step N's samples
+    reached its host, so this rank's copies for step N have run by then."""
     cfg, model_dir = load_model_config(args.model)
     runner = ModelRunner(args, cfg, weights_dir_of(args, cfg, model_dir),
                          EngineCore._resolve_max_model_len(args, cfg), tpc)
