@@ -75,8 +75,11 @@ _HELP: dict[str, str] = {
     "max_stop_string_length": "longest stop string a request may give, in characters",
     "data_parallel_size": "data-parallel ranks: one worker process per rank, each with its "
     "own engine (scheduler, KV pool, graphs); every step the ranks agree on one graph tier",
-    "distributed_timeout_s": "seconds the driver waits for a data-parallel worker (start-up "
-    "and every step) before it raises naming the rank; also the ranks' collective timeout",
+    "tensor_parallel_size": "tensor-parallel ranks: one worker process (one GPU) per rank, "
+    "each holding its slice of the attention heads, the MLP and the vocabulary; with "
+    "data_parallel_size M, M groups of N ranks",
+    "distributed_timeout_s": "seconds the driver waits for a worker (start-up and every "
+    "step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -123,6 +126,7 @@ class EngineArgs:
     max_stop_string_length: int = 256
     speculative_config: dict | None = None
     data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -149,6 +153,7 @@ class EngineArgs:
         if self.speculative_config is not None:
             SpecConfig.from_dict(self.speculative_config)
         _positive("data_parallel_size", self.data_parallel_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if isinstance(self.distributed_timeout_s, bool) or not isinstance(
                 self.distributed_timeout_s, int | float) or not self.distributed_timeout_s > 0:
             raise ValueError(f"EngineArgs.distributed_timeout_s={self.distributed_timeout_s!r} "
@@ -156,6 +161,9 @@ class EngineArgs:
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("EngineArgs.speculative_config is not supported with "
                              f"data_parallel_size={self.data_parallel_size} (> 1)")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("EngineArgs.speculative_config is not supported with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (> 1)")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

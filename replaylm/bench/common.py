@@ -121,10 +121,16 @@ def each_engine(base: EngineArgs, modes: list[str | None], log: Log = print
         g = llm.graph_stats()
         log(f"[bench] mode={llm.graph_mode} engine ready in {ready:.1f} s on {llm.device}; "
             f"captured {g['num_graphs']} graphs in {g['capture_seconds']} s, "
-            f"{g['graph_mib']} MiB; kernel tuning {llm.engine.runner.tune_seconds:.1f} s")
+            f"{g['graph_mib']} MiB; kernel tuning {_tune_seconds(llm.engine):.1f} s")
         yield llm, ready
         del llm
         release_memory()
+
+
+def _tune_seconds(engine: Any) -> float:
+    """Start-up kernel tuning seconds of an engine core, or of a driver's rank 0."""
+    runner = getattr(engine, "runner", None)
+    return runner.tune_seconds if runner is not None else engine.tune_seconds
 
 
 def command_line(argv: list[str] | None) -> str:

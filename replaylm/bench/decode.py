@@ -97,7 +97,11 @@ def greedy_params(new_tokens: int) -> SamplingParams:
 
 
 def _sync(llm: Any) -> None:
+    """Wait for this process's device work (a driver of worker processes has none: its
+    steps return once the workers' samples are on the host)."""
     device = getattr(llm, "device", None)
+    if not hasattr(llm.engine, "runner"):
+        return
     if isinstance(device, torch.device) and device.type == "cuda":
         torch.cuda.synchronize(device)
 

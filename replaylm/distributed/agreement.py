@@ -1,4 +1,4 @@
-"""The ranks' process group and the per-step graph-tier agreement over it."""
+"""The ranks' process groups and the per-step graph-tier agreement over them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,27 @@ import torch
 import torch.distributed as dist
 
 
-def init_group(rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
-    """Join the data-parallel process group (gloo: CPU tensors, on any device)."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+def init_group(rank: int, world_size: int, init_method: str, timeout_s: float,
+               cuda: bool = False) -> None:
+    """Join the ranks' process group: gloo for CPU tensors (the tier agreement, on any
+    device) and, with ``cuda``, NCCL for CUDA tensors (the tensor-parallel collectives)."""
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", init_method=init_method,
+                            rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def tensor_parallel_group(rank: int, data_parallel_size: int, tensor_parallel_size: int,
+                          timeout_s: float) -> dist.ProcessGroup:
+    """This rank's tensor-parallel group: ranks ``d·N .. d·N + N - 1`` form data-parallel
+    rank ``d``'s group (every rank creates every group, in the same order)."""
+    n = tensor_parallel_size
+    mine = None
+    for d in range(data_parallel_size):
+        group = dist.new_group(list(range(d * n, (d + 1) * n)),
+                               timeout=timedelta(seconds=timeout_s))
+        if rank // n == d:
+            mine = group
+    return mine
 
 
 class TierAgreement:

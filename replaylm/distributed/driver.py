@@ -1,12 +1,16 @@
-"""``DataParallelEngine``: the driver of ``data_parallel_size`` worker processes.
+"""``DataParallelEngine``: the driver of ``data_parallel_size × tensor_parallel_size``
+worker processes.
 
 It offers what ``LLM`` uses of ``EngineCore`` (tokenize, validate, add_request, abort, step,
-has_unfinished, stats, graph_stats). Requests go to the rank with the least load (tokens of
-its running and waiting requests); every step the driver sends each rank one ``("step",)``
-and gathers the replies, so all ranks step together and meet in the tier agreement.
+has_unfinished, stats, graph_stats). It talks to the leader (tensor-parallel rank 0) of each
+data-parallel rank, whose engine drives its tensor-parallel followers (``worker``).
+Requests go to the data-parallel rank with the least load (tokens of its running and waiting
+requests); every step the driver sends each leader one ``("step",)`` and gathers the
+replies, so all ranks step together and meet in the tier agreement.
 
-A worker that exits, faults or does not answer within ``distributed_timeout_s`` makes the
-driver end every worker and raise ``DataParallelError`` naming the rank.
+A worker (leader or follower) that exits, faults or does not answer within
+``distributed_timeout_s`` makes the driver end every worker and raise ``DataParallelError``
+naming the rank.
 """
 
 from __future__ import annotations
@@ -16,33 +20,37 @@ import shutil
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from time import monotonic
+from types import SimpleNamespace
 
+import torch
 import torch.multiprocessing as tmp
 
 from replaylm.config import EngineArgs
 from replaylm.distributed.worker import worker_main
 from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, load_tokenizer
+from replaylm.engine.model_runner import resolve_device
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
+from replaylm.model.parallel import check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
 
 
-class DataParallelError(RuntimeError):
-    """A data-parallel worker died, failed or stopped answering."""
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class AddedRequest:
-    """What ``add_request`` tells the caller of a request now on a rank (the server reads
-    ``num_prompt_tokens`` as from ``EngineCore.add_request``'s ``Request``)."""
+    """What ``add_request`` tells the caller: the prompt's length and the owning rank."""
 
     request_id: str
-    rank: int
     num_prompt_tokens: int
+    rank: int
+
+
+class DataParallelError(RuntimeError):
+    """A worker (data- or tensor-parallel) died, failed or stopped answering."""
 
 
 class DataParallelEngine:
@@ -55,32 +63,57 @@ class DataParallelEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.size = args.data_parallel_size
+        self.tp = args.tensor_parallel_size
+        self.world = self.size * self.tp
+        self.leaders = [d * self.tp for d in range(self.size)]  # global rank of each DP rank
         self.timeout_s = args.distributed_timeout_s
         self.model_config, model_dir = load_model_config(args.model)
+        check_tensor_parallel(self.model_config, self.tp)
+        if resolve_device(args.device).type == "cuda" and self.world > torch.cuda.device_count():
+            raise ValueError(
+                f"EngineArgs.data_parallel_size={self.size} × tensor_parallel_size={self.tp} "
+                f"needs {self.world} GPUs (one per rank), but {torch.cuda.device_count()} are "
+                "visible")
         self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
         self.tokenizer = load_tokenizer(args, model_dir)
         ctx = tmp.get_context("spawn")
         store_dir = tempfile.mkdtemp(prefix="replaylm-dp-")
         init_method = (Path(store_dir) / "store").as_uri()
-        self.procs, self.conns = [], []
-        # One exchange with the workers at a time: the server scrapes ``stats`` from its own
-        # thread while the engine thread steps.
+        self.procs, self.conns = [], []  # every rank's, by global rank
+        # One exchange with the workers at a time, whichever thread asks.
         self._lock = threading.RLock()
         self._closed = False
         self._grace_s = [5.0]  # how long workers get to exit when asked (shortened on a fault)
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns,
                                            store_dir, self._grace_s)
-        for rank in range(self.size):
+        # Each leader's pipes to its followers (one message per follower per step).
+        tp_pipes = {g: ctx.Pipe(duplex=False) for g in range(self.world) if g % self.tp}
+        for rank in range(self.world):
+            if rank % self.tp == 0:
+                ends = [tp_pipes[f][1] for f in range(rank + 1, rank + self.tp)]
+            else:
+                ends = [tp_pipes[rank][0]]
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"replaylm-dp-rank{rank}", daemon=True,
-                               args=(rank, self.size, init_method, args, child))
+            proc = ctx.Process(target=worker_main, name=f"replaylm-rank{rank}", daemon=True,
+                               args=(rank, init_method, args, child, ends))
             proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        info = self._gather(range(self.size), "start")[0]
+        for recv_end, send_end in tp_pipes.values():
+            recv_end.close()
+            send_end.close()
+        infos = self._gather(range(self.world), "start")
+        info = infos[0]
         self.device, self.dtype = info["device"], info["dtype"]
         self.graph_mode = info["graph_mode"]
+        self.tune_seconds = info["tune_seconds"]  # rank 0's kernel tuning at start-up
+        self.step_observer = None
+        # The ranks' latest statistics, as their step replies bring them (``live_stats``).
+        self._snapshots = [infos[g]["stats"] for g in self.leaders]
+        self.rejected = 0  # requests the driver refused before any rank saw them
+        self.live_stats = EngineStats(graph_mode=self.graph_mode)
+        self._refresh_live()
         self.load = [0] * self.size  # tokens of each rank's running + waiting requests
         self.busy = [False] * self.size  # whether each rank has unfinished work
         self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
@@ -90,35 +123,50 @@ class DataParallelEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> AddedRequest:
         params = params or SamplingParams()
-        if request_id in self.owner:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        try:
+            if request_id in self.owner:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            ids = self.tokenize(prompt)
+            self.validate(ids, params)
+        except ValueError:
+            self.rejected += 1
+            self.live_stats.requests_rejected += 1
+            raise
         rank = min(range(self.size), key=lambda r: (self.load[r], r))
-        status, value = self._call(rank, "add", request_id, ids, params)
+        status, value = self._call(self.leaders[rank], "add", request_id, ids, params)
         if status == "invalid":
             raise ValueError(value)
         self.load[rank] = value
         self.busy[rank] = True
         self.owner[request_id] = [rank, params.n]
-        return AddedRequest(request_id, rank, len(ids))
+        self.live_stats.requests_added += 1
+        self.live_stats.prompt_tokens += len(ids)
+        return AddedRequest(request_id, len(ids), rank)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request on the rank that owns it; False if unknown or done."""
         entry = self.owner.pop(request_id, None)
         if entry is None or self._closed:  # after shutdown nothing runs any more
             return False
-        return bool(self._call(entry[0], "abort", request_id)[1])
+        return bool(self._call(self.leaders[entry[0]], "abort", request_id)[1])
 
     def has_unfinished(self) -> bool:
         return any(self.busy)
 
     def step(self) -> list[RequestDelta]:
-        """One step of every rank (ranks with no work take part in the tier agreement)."""
-        replies = self._gather(range(self.size), "step")
+        """One step of every rank (ranks with no work take part in the tier agreement).
+        A ``step_observer`` (``bench.observer``) sees its begin and end only: the launch and
+        the wait happen in the workers."""
+        obs = self.step_observer
+        if obs is not None:
+            obs.begin()
+        replies = self._gather(self.leaders, "step")
         deltas: list[RequestDelta] = []
-        for rank, (rank_deltas, busy, load) in enumerate(replies):
+        fresh = False
+        for rank, (rank_deltas, busy, load, snapshot) in enumerate(replies):
             self.busy[rank], self.load[rank] = busy, load
+            if snapshot is not None:
+                self._snapshots[rank], fresh = snapshot, True
             for d in rank_deltas:
                 entry = self.owner.get(d.request_id)
                 if d.finished and entry is not None:
@@ -126,29 +174,50 @@ class DataParallelEngine:
                     if entry[1] == 0:
                         del self.owner[d.request_id]
             deltas += rank_deltas
+        if fresh:
+            self._refresh_live()
+        if obs is not None:
+            obs.end(bool(deltas))
         return deltas
 
     # Statistics ----------------------------------------------------------------------------
 
     def rank_stats(self) -> list[tuple[EngineStats, dict]]:
         """Each rank's engine counters and graph statistics."""
-        return self._gather(range(self.size), "stats")
+        return self._gather(self.leaders, "stats")
 
     @property
     def stats(self) -> EngineStats:
         """The ranks' engine counters, summed (gauges too: running, waiting, KV blocks)."""
-        per_rank = [s for s, _ in self.rank_stats()]
+        return self._summed([s for s, _ in self.rank_stats()])
+
+    def _summed(self, per_rank: list[EngineStats]) -> EngineStats:
         total = EngineStats(graph_mode=self.graph_mode)
         for f in dataclasses.fields(EngineStats):
             values = [getattr(s, f.name) for s in per_rank]
             if isinstance(values[0], int | float | dict) and not isinstance(values[0], bool):
                 setattr(total, f.name, _sum(values))
         total.last_step = per_rank[0].last_step
+        total.requests_rejected += self.rejected
         return total
+
+    def _refresh_live(self) -> None:
+        """Update ``live_stats`` in place from the ranks' latest snapshots: what a reader on
+        another thread (the server's ``/metrics``) sees, without a message to any rank. Its
+        counters lag the ranks by at most ``worker.SNAPSHOT_EVERY_S`` while they run and are
+        exact once they are idle."""
+        total = self._summed([s for s, _ in self._snapshots])
+        for f in dataclasses.fields(EngineStats):
+            setattr(self.live_stats, f.name, getattr(total, f.name))
+        self.live_stats.graphs = SimpleNamespace(**self._summed_graphs(
+            [g for _, g in self._snapshots]))
 
     def graph_stats(self) -> dict:
         """The ranks' graph statistics summed, and each rank's under ``ranks``."""
-        per_rank = [g for _, g in self.rank_stats()]
+        return self._summed_graphs([g for _, g in self.rank_stats()])
+
+    @staticmethod
+    def _summed_graphs(per_rank: list[dict]) -> dict:
         total = _sum(per_rank)
         padded = total["padded_tokens"]
         total["padding_share"] = round(1 - total["real_tokens"] / padded, 4) if padded else 0.0
@@ -187,34 +256,42 @@ class DataParallelEngine:
             self._fail(rank, f"cannot be reached ({e})")
 
     def _receive(self, ranks: list[int], op: str) -> dict[int, tuple[str, object]]:
-        """One reply from each of ``ranks``, within ``distributed_timeout_s``; a worker that
-        exits or faults meanwhile is named at once."""
+        """One reply from each of ``ranks``, within ``distributed_timeout_s``; a worker (of
+        these ranks or any other) that exits or faults meanwhile is named at once."""
         deadline = monotonic() + self.timeout_s
         pending = {r for r in ranks}
         replies: dict[int, tuple[str, object]] = {}
+        # Followers speak only at start-up or to report a fault; watch them too.
+        watched = sorted(pending | {r for r in range(self.world) if r not in self.leaders})
         while pending:
             left = deadline - monotonic()
             if left <= 0:
                 late = sorted(pending)
                 self._fail(late, f"did not answer {op!r} within distributed_timeout_s="
                            f"{self.timeout_s:g} s (one rank that hangs holds the others in "
-                           "the tier agreement)")
-            waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel
-                                                           for r in pending]
+                           "their collectives)")
+            waitables = [self.conns[r] for r in watched] + [self.procs[r].sentinel
+                                                           for r in watched]
             wait(waitables, timeout=min(left, 1.0))
-            for r in sorted(pending):
+            # A rank that died silently is named first: the faults it causes in the ranks
+            # sharing its collectives or pipes are consequences.
+            arrived: dict[int, tuple] = {}
+            for r in watched:
                 conn = self.conns[r]
                 if conn.poll():
                     try:
-                        msg = conn.recv()
+                        arrived[r] = conn.recv()
                     except (EOFError, OSError):
                         self._fail(r, self._exit_text(r))
-                    if msg[0] == "fault":
-                        self._fail(r, f"failed during {op!r}:\n{msg[1]}")
-                    replies[r] = msg
-                    pending.discard(r)
                 elif not self.procs[r].is_alive():
                     self._fail(r, self._exit_text(r))
+            for r, msg in arrived.items():
+                if msg[0] == "fault":
+                    self._fail(r, f"failed during {op!r}:\n{msg[1]}")
+                if r not in pending:
+                    self._fail(r, f"sent {msg[0]!r} unasked during {op!r}")
+                replies[r] = msg
+                pending.discard(r)
         return replies
 
     def _exit_text(self, rank: int) -> str:
@@ -226,11 +303,13 @@ class DataParallelEngine:
         """End every worker and raise, naming the rank (or ranks) at fault."""
         self._grace_s[0] = 0.5  # the others may be stuck in a collective with the failed rank
         self.shutdown()
-        if isinstance(rank, list):
-            who = f"rank {rank[0]}" if len(rank) == 1 else f"ranks {rank}"
-        else:
-            who = f"rank {rank}"
-        raise DataParallelError(f"data-parallel {who} {what}")
+        ranks = rank if isinstance(rank, list) else [rank]
+        if self.tp == 1:
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+            raise DataParallelError(f"data-parallel {who} {what}")
+        where = ", ".join(f"{g} (data-parallel rank {g // self.tp}, tensor-parallel rank "
+                          f"{g % self.tp})" for g in ranks)
+        raise DataParallelError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
 
 
 def _sum(values: list):

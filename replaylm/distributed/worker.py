@@ -1,22 +1,42 @@
-"""A data-parallel worker: one rank's engine, driven over its end of a pipe.
+"""A worker process: one rank's engine (a leader) or model shard (a tensor-parallel follower).
 
-Each message from the driver is ``(op, *args)``; each gets one reply, ``("ok", value)``,
-``("invalid", message)`` for a request the engine refuses, or ``("fault", traceback)``
-after which the worker exits. The driver's ``("step",)`` makes the engine take one step,
-which includes this rank's part of the tier agreement, so every rank steps in lockstep.
+Global rank ``g`` is tensor-parallel rank ``g % N`` of data-parallel rank ``g // N`` (N =
+``tensor_parallel_size``). Rank 0 of each tensor-parallel group, the leader, runs an
+``EngineCore`` (scheduler, KV blocks, sampling of its requests) driven by the driver over its
+pipe: each message ``(op, *args)`` gets one reply, ``("ok", value)``, ``("invalid", message)``
+for a request the engine refuses, or ``("fault", traceback)`` after which the worker exits.
+The driver's ``("step",)`` makes the engine take one step, which includes this rank's part of
+the tier agreement, so every data-parallel rank steps in lockstep.
+
+The leader's runner sends each step to its followers in one message over a pipe
+(``("step", StepInput)``, ``("idle",)``, ``("stop",)``); a follower runs the same step on its
+shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
+step costs the leader one send per follower. Followers answer the driver only at start-up or
+with a fault; the driver watches every process, so a follower that dies is named at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
+import time
 import traceback
 from multiprocessing.connection import Connection
 
+import torch
 import torch.distributed as dist
 
 from replaylm.config import EngineArgs
-from replaylm.distributed.agreement import TierAgreement, init_group
+from replaylm.distributed.agreement import TierAgreement, init_group, tensor_parallel_group
 from replaylm.engine.core import EngineCore
+from replaylm.engine.loading import load_model_config, resolve_weights_dir
+from replaylm.engine.model_runner import ModelRunner, resolve_device
+from replaylm.engine.stats import EngineStats
+from replaylm.model.parallel import TensorParallel
+
+#: Seconds between the statistics a leader attaches to its step replies (the driver's live
+#: view, which the server's ``/metrics`` reads); a rank that runs out of work always sends.
+SNAPSHOT_EVERY_S = 0.25
 
 
 def load_tokens(core: EngineCore) -> int:
@@ -25,22 +45,35 @@ def load_tokens(core: EngineCore) -> int:
     return sum(r.num_tokens for r in sched.running) + sum(r.num_tokens for r in sched.waiting)
 
 
-def worker_main(rank: int, world_size: int, init_method: str, args: EngineArgs,
-                conn: Connection) -> None:
-    """The worker process's entry point (``torch.multiprocessing`` spawn target)."""
+def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
+                tp_conns: list[Connection]) -> None:
+    """The worker process's entry point (``torch.multiprocessing`` spawn target).
+    ``tp_conns``: a leader's pipes to its followers, or a follower's one pipe from its leader."""
+    # The driver owns the workers' lifetime: Ctrl-C reaches the driver (a server then drains
+    # its requests through the workers), never a worker on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        init_group(rank, world_size, init_method, args.distributed_timeout_s)
-        core = EngineCore(args)
-        core.agree = TierAgreement()
-        conn.send(("ok", {"device": core.device, "dtype": core.dtype,
-                          "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks}))
-        while True:
-            op, *rest = conn.recv()
-            if op == "shutdown":
-                conn.send(("ok", None))
-                return
-            conn.send(_handle(core, op, rest))
-    except (EOFError, KeyboardInterrupt):  # the driver is gone
+        dp, tp = args.data_parallel_size, args.tensor_parallel_size
+        cuda = resolve_device(args.device).type == "cuda"
+        if cuda:  # one GPU per rank
+            torch.cuda.set_device(rank)
+            args = args.replace(device=f"cuda:{rank}")
+        else:  # the ranks share the host's cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // (dp * tp)))
+        init_group(rank, dp * tp, init_method, args.distributed_timeout_s, cuda)
+        tpc = None
+        if tp > 1:
+            group = tensor_parallel_group(rank, dp, tp, args.distributed_timeout_s)
+            cfg, _ = load_model_config(args.model)
+            tpc = TensorParallel(rank % tp, tp, group, cfg.num_kv_heads)
+            # Create the group's communicators now, not inside a graph capture.
+            tpc.all_reduce(torch.zeros(1, device=resolve_device(args.device)))
+        agree = TierAgreement() if dp > 1 else None
+        if rank % tp == 0:
+            _lead(args, tpc, agree, conn, tp_conns)
+        else:
+            _follow(args, tpc, agree, conn, tp_conns[0])
+    except (EOFError, KeyboardInterrupt):  # the driver (or the leader) is gone
         return
     except BaseException:
         try:
@@ -52,10 +85,64 @@ def worker_main(rank: int, world_size: int, init_method: str, args: EngineArgs,
             dist.destroy_process_group()
 
 
+def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
+          conn: Connection, followers: list[Connection]) -> None:
+    core = EngineCore(args, tpc)
+    core.agree = agree
+    if followers:
+        def broadcast(msg: tuple) -> None:
+            for c in followers:
+                c.send(msg)
+
+        core.runner.broadcast = broadcast
+    conn.send(("ok", {"device": core.device, "dtype": core.dtype,
+                      "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks,
+                      "tune_seconds": core.runner.tune_seconds, "stats": _snapshot(core)}))
+    while True:
+        op, *rest = conn.recv()
+        if op == "shutdown":
+            for c in followers:
+                c.send(("stop",))
+            conn.send(("ok", None))
+            return
+        conn.send(_handle(core, op, rest))
+
+
+def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
+            conn: Connection, leader: Connection) -> None:
+    """Run every step the leader sends. The follower never waits for its own samples: its
+    staging buffers (two rows, alternating) are safe because every step's collectives tie
+    its device to the leader's, and the leader sends step N + 2 only after step N's samples
+    reached its host, so this rank's copies for step N have run by then."""
+    cfg, model_dir = load_model_config(args.model)
+    runner = ModelRunner(args, cfg, resolve_weights_dir(model_dir, cfg, args.load_format),
+                         EngineCore._resolve_max_model_len(args, cfg), tpc)
+    conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
+                      "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
+                      "tune_seconds": runner.tune_seconds}))
+    while True:
+        op, *rest = leader.recv()
+        if op == "step":
+            runner.run_step(rest[0], agree)
+            runner.sampler.take_failed()  # the leader finishes those requests
+        elif op == "idle":
+            runner.idle(agree)
+        else:
+            return
+
+
+def _snapshot(core: EngineCore) -> tuple[EngineStats, dict]:
+    """The engine's counters (without the live graph and spec objects) and graph stats."""
+    core.snapshot_at = time.monotonic()
+    return dataclasses.replace(core.stats, graphs=None, spec=None), core.graph_stats()
+
+
 def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
     if op == "step":
         deltas = core.step()
-        return "ok", (deltas, core.has_unfinished(), load_tokens(core))
+        busy = core.has_unfinished()
+        due = not busy or time.monotonic() - core.snapshot_at >= SNAPSHOT_EVERY_S
+        return "ok", (deltas, busy, load_tokens(core), _snapshot(core) if due else None)
     if op == "add":
         try:
             core.add_request(*args)
@@ -65,6 +152,5 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
     if op == "abort":
         return "ok", core.abort(*args)
     if op == "stats":
-        stats = dataclasses.replace(core.stats, graphs=None, spec=None)
-        return "ok", (stats, core.graph_stats())
-    raise ValueError(f"unknown data-parallel worker message {op!r}")
+        return "ok", _snapshot(core)
+    raise ValueError(f"unknown worker message {op!r}")

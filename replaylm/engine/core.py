@@ -23,6 +23,7 @@ from replaylm.engine.request import Request, RequestStatus
 from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
+from replaylm.model.parallel import TensorParallel
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
 from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
@@ -38,7 +39,8 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class EngineCore:
     """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, tp: TensorParallel | None = None) -> None:
+        """``tp``: this engine is the leader of a tensor-parallel group (``distributed``)."""
         self.args = args
         self.model_config, model_dir = load_model_config(args.model)
         cfg = self.model_config
@@ -54,7 +56,7 @@ class EngineCore:
             from replaylm.spec.draft_model import load_draft_runner
 
             draft_runner = load_draft_runner(args, spec, cfg, self.tokenizer, self.max_model_len)
-        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len,
+        self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len, tp,
                                   kv_partner=draft_runner)
         self.graph_mode = self.runner.graph_mode
         self.block_manager = BlockManager(self.runner.num_blocks,

@@ -21,9 +21,9 @@ Prompt = str | list[int]
 class LLM:
     """vLLM-style entry point. Keyword arguments are ``EngineArgs`` fields.
 
-    With ``data_parallel_size`` > 1 the engines run in worker processes
-    (``replaylm.distributed``); ``shutdown()``, leaving a ``with`` block or the interpreter's
-    exit ends them.
+    With ``data_parallel_size`` or ``tensor_parallel_size`` > 1 the engines run in worker
+    processes (``replaylm.distributed``); ``shutdown()``, leaving a ``with`` block or the
+    interpreter's exit ends them.
     """
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
@@ -40,7 +40,7 @@ class LLM:
         return self
 
     def shutdown(self) -> None:
-        """End the data-parallel workers, if any (a single engine holds no process)."""
+        """End the worker processes, if any (a single engine holds no process)."""
         if isinstance(self.engine, DataParallelEngine):
             self.engine.shutdown()
 
@@ -174,8 +174,11 @@ class LLM:
 
 def make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
     """The engine ``args`` ask for: one ``EngineCore`` in this process, or the driver of
-    ``data_parallel_size`` worker processes (``LLM`` and ``replaylm serve`` both use it)."""
-    return DataParallelEngine(args) if args.data_parallel_size > 1 else EngineCore(args)
+    worker processes for data or tensor parallelism (``LLM`` and ``replaylm serve`` both use
+    it)."""
+    if args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
+        return DataParallelEngine(args)
+    return EngineCore(args)
 
 
 def _is_conversation(x: Any) -> bool:

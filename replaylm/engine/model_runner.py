@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from replaylm.kernels import jit_clock
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
+from replaylm.model.parallel import TensorParallel, shard_config
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
 from replaylm.spec.acceptance import emitted_rows
@@ -63,18 +67,59 @@ def make_attention_backend(requested: str, device: torch.device, mode: str) -> A
     return TorchDenseAttentionBackend() if name == "torch_dense" else TorchAttentionBackend()
 
 
+@dataclass
+class StepInput:
+    """One step as a tensor-parallel leader sends it to the other ranks of its group: the
+    host batch, the sampling settings of newly slotted requests, and the prompt-logprob rows
+    (host tensors, without the requests)."""
+
+    host: HostBatch
+    admitted: list[SimpleNamespace]
+    plan: PromptLogprobPlan | None
+
+    @staticmethod
+    def of(out: SchedulerOutput, host: HostBatch) -> StepInput:
+        admitted = [SimpleNamespace(slot=r.slot, sampling_params=r.sampling_params, seed=r.seed,
+                                    prompt_token_ids=r.prompt_token_ids,
+                                    output_token_ids=r.output_token_ids,
+                                    eos_token_ids=r.eos_token_ids)
+                    for r in out.newly_slotted]
+        plan = _prompt_plan(out, host, torch.device("cpu"))
+        if plan is not None:
+            plan = dataclasses.replace(plan, spans=[])
+        return StepInput(host, admitted, plan)
+
+
+def _prompt_plan(out: SchedulerOutput, host: HostBatch, device: torch.device
+                 ) -> PromptLogprobPlan | None:
+    """The step's prompt-logprob rows; the padded verify layout shifts them
+    (``host.cu_seqlens_q``)."""
+    return plan_prompt_logprobs(out, device,
+                                host.cu_seqlens_q if host.layout_pad_tokens else None)
+
+
 class ModelRunner:
-    """Owns one model, its KV pool, its graphs and the per-slot sampling state.
+    """Owns one model, its KV pool, its graphs and the per-slot sampling state; runs steps.
 
     ``kv_partner``: a second pool sized with this one (a draft model's,
     ``spec.draft_model``): its ``partner_block_bytes`` are added to each of this pool's
     blocks and its ``partner_fixed_bytes`` reserved, before the KV pool is sized.
     ``verify_accept``: set by the engine when a drafter's proposals carry a distribution;
     it turns a verify step into that drafter's acceptance rule (``StepSampler.run``).
+
+    With ``tp`` (tensor parallel) it holds one rank's shard (``cfg`` is then the shard's
+    shapes) and every rank of the group runs the same steps: the leader's ``execute`` hands
+    each step's ``StepInput`` to ``broadcast`` (set by ``replaylm.distributed``), and the
+    other ranks run it with ``run_step``. Sampling is replicated: every rank holds the full
+    logits and the same per-slot state, so every rank samples the same tokens.
     """
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
-                 max_model_len: int, kv_partner: Any = None) -> None:
+                 max_model_len: int, tp: TensorParallel | None = None,
+                 kv_partner: Any = None) -> None:
+        self.tp = tp
+        # Tensor parallel leader: sends each step's input to the other ranks of its group.
+        self.broadcast: Callable[[tuple], None] | None = None
         self._setup(args, cfg, max_model_len)
         self.spec = (SpecConfig.from_dict(args.speculative_config)
                      if args.speculative_config is not None else None)
@@ -90,19 +135,23 @@ class ModelRunner:
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         self._load(model_dir)
-        self.sampler = StepSampler(args.max_num_seqs, cfg.vocab_size, self.device,
+        self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
                                    max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()
         self.num_blocks = self._decide_num_blocks()
+        if tp is not None:  # the leader's block ids index every rank's pool
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = self._allocate_kv(self.num_blocks)
         self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self._warm_sampler()
         self._start_graphs()
 
     def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int) -> None:
-        """Device, dtype, graph mode and tiers from the settings."""
+        """Device, dtype, graph mode and tiers from the settings; under tensor parallel,
+        ``cfg`` becomes this rank's shard (``full_cfg`` keeps the whole model's)."""
         self.args = args
-        self.cfg = cfg
+        self.full_cfg = cfg
+        self.cfg = shard_config(cfg, self.tp.size) if self.tp is not None else cfg
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self._jit_snapshot()  # on CUDA: count Triton's compiles from here (start-up split)
@@ -119,8 +168,8 @@ class ModelRunner:
         args, cfg = self.args, self.cfg
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
-            cfg, model_dir, args.load_format, self.dtype, self.device, args.seed
-        )
+            cfg, model_dir, args.load_format, self.dtype, self.device, args.seed, self.tp,
+            self.full_cfg)
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
         self.model.use_side_stream(args.moe_side_stream_max_tokens)
@@ -319,12 +368,36 @@ class ModelRunner:
         self.layout_pad_tokens = host.layout_pad_tokens  # the latest step's (spec stats)
         if on_launch is not None:
             on_launch()
-        for req in out.newly_slotted:
+        if self.broadcast is None:
+            return self._launch(host, out.newly_slotted, _prompt_plan(out, host, self.device),
+                                agree, out)
+        step = StepInput.of(out, host)
+        self.broadcast(("step", step))
+        plan = step.plan
+        if plan is not None:  # the leader's plan keeps the requests (its output spans)
+            plan = _prompt_plan(out, host, self.device)
+        return self._launch(host, out.newly_slotted, plan, agree, out)
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput, agree: Agree | None = None
+                 ) -> tuple[PendingStep | None, Dispatch, int]:
+        """A tensor-parallel rank's part of the step its leader launched (``execute``)."""
+        plan = step.plan
+        if plan is not None:
+            plan = dataclasses.replace(plan, rows=plan.rows.to(self.device),
+                                       targets=plan.targets.to(self.device))
+        return self._launch(step.host, step.admitted, plan, agree)
+
+    def _launch(self, host: HostBatch, admitted: list, plan: PromptLogprobPlan | None,
+                agree: Agree | None, out: SchedulerOutput | None = None,
+                ) -> tuple[PendingStep | None, Dispatch, int]:
+        """The device part of a step (``out``: the leader's schedule, which a drafter's
+        acceptance rule reads; tensor-parallel followers have none)."""
+        for req in admitted:
             self.admit(req)
         self.sampler.flush()
         self.buffers.update_block_tables(host)
-        plan = plan_prompt_logprobs(out, self.device,
-                                    host.cu_seqlens_q if host.layout_pad_tokens else None)
+        spec = self.spec
         if plan is None:
             eager = (spec is not None and spec.verify == "eager" and host.draft_next is not None
                      and self.policy.mode != "eager")
@@ -355,7 +428,7 @@ class ModelRunner:
                 torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
                 torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
         accept = None
-        if host.draft_next is not None and self.verify_accept is not None:
+        if host.draft_next is not None and self.verify_accept is not None and out is not None:
             accept = self.verify_accept(out, self.sampler.state)
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
                                    host.sample_slots.tolist(), plan, greedy, host_view,
@@ -367,6 +440,8 @@ class ModelRunner:
     @torch.inference_mode()
     def idle(self, agree: Agree) -> Dispatch:
         """A data-parallel step with no work on this rank (``GraphRuntime.run_idle``)."""
+        if self.broadcast is not None:
+            self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):

@@ -26,7 +26,7 @@ def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
     too, unpadded."""
     embedded = None
     if gather and b.gather is not None:
-        embedded = buffers.gather_inputs(b, model.embed_tokens.weight,
+        embedded = buffers.gather_inputs(b, model.gather_embedding,
                                          fused=model.kernels is not None)
     hidden = model(b.input_ids, b.positions, b.meta, embedded, rows=b.logits_indices)
     logits = model.compute_logits(hidden, out)

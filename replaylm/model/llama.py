@@ -29,6 +29,7 @@ from replaylm.batch import AttentionMetadata
 from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
+from replaylm.model.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -39,10 +40,14 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+    """One decoder layer; with ``tp`` its ``cfg`` holds one rank's heads and MLP width
+    (``model.parallel``) and the row-parallel o_proj and down_proj outputs are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
+        self.tp = tp
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         if cfg.qk_norm:
@@ -90,6 +95,8 @@ class DecoderLayer(nn.Module):
         A sparse layer's MLP is its routed experts (``model.moe``)."""
         k = self.kernels or ref
         hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        if self.tp is not None:
+            hidden = self.tp.all_reduce(hidden)
         if self.moe is not None:
             normed, residual = k.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
                                               self.cfg.rms_norm_eps)
@@ -99,21 +106,29 @@ class DecoderLayer(nn.Module):
                                           self.gate_up_proj.bias)
         down = self.down_proj
         if down.bias is None:
-            return k.silu_linear(gate_up, down.weight), residual
-        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias), residual
+            out = k.silu_linear(gate_up, down.weight)
+        else:
+            out = k.linear(k.silu_and_mul(gate_up), down.weight, down.bias)
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
 
 class CausalLM(nn.Module):
-    """The decoder plus LM head. KV caches and the attention backend are bound by the runner."""
+    """The decoder plus LM head. KV caches and the attention backend are bound by the runner.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With ``tp`` (tensor parallel) ``cfg`` is this rank's shard (``model.parallel.shard_config``)
+    and the embedding and LM head hold its ``tp.vocab_rows`` rows of the vocabulary.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp
+        vocab_rows = cfg.vocab_size if tp is None else tp.vocab_rows(cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False
+            cfg.hidden_size, vocab_rows, bias=False
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.attn: AttentionBackend | None = None
@@ -162,12 +177,30 @@ class CausalLM(nn.Module):
             layer.kernels = mod
         self.kernels = mod
 
+    @property
+    def gather_embedding(self) -> torch.Tensor | None:
+        """The embedding a step's input gather may look rows up in (``StaticBuffers.
+        gather_inputs``); None with tensor parallelism, whose lookup is ``embed``."""
+        return self.embed_tokens.weight if self.tp is None else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``input_ids``; vocab-parallel: each rank looks up the ids in its
+        slice (zero rows for the others), then an all-reduce."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        rows = self.embed_tokens.weight.shape[0]
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        hidden = torch.nn.functional.embedding(local.masked_fill(outside, 0),
+                                               self.embed_tokens.weight)
+        return self.tp.all_reduce(hidden.masked_fill(outside[:, None], 0))
+
     # The dense links of the chain ------------------------------------------------------------
 
     def first_link(self, input_ids, positions, meta: AttentionMetadata,
                    embedded: torch.Tensor | None = None):
         """Embedding (unless ``embedded`` holds the rows already) + before₀."""
-        hidden = self.embed_tokens(input_ids) if embedded is None else embedded
+        hidden = self.embed(input_ids) if embedded is None else embedded
         if self.poison_padding:
             # Tokens past the last request's end belong to no request: padding.
             pad = torch.arange(hidden.shape[0], device=hidden.device) >= meta.cu_seqlens_q[-1]
@@ -239,9 +272,22 @@ class CausalLM(nn.Module):
         fused kernels the latter is the projections' tuned ``linear`` (at a few rows the skinny
         kernel streams a large vocabulary's head faster than cuBLAS)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp is not None:
+            return self._gathered_logits(hidden, weight, out)
         if out is None:
             return torch.nn.functional.linear(hidden, weight).float()
         return (self.kernels or ref).linear(hidden, weight, out=out)
+
+    def _gathered_logits(self, hidden: torch.Tensor, weight: torch.Tensor,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """Vocab-parallel LM head: this rank's logits slice, all-gathered into the full
+        vocabulary (the padding rows past it dropped), so every rank holds every logit."""
+        local = (self.kernels or ref).linear(hidden, weight)
+        parts = self.tp.all_gather(local)  # [ranks, rows, vocab_rows]
+        full = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, : self.cfg.vocab_size]
+        if out is None:
+            return full.float()
+        return out.copy_(full)
 
     @torch.inference_mode()
     def run_dense_calls(self, num_rows: int) -> None:

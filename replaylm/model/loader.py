@@ -3,6 +3,11 @@
 Loading is declared per parameter: ``PACKED`` and ``MOE_NAMES`` say where each checkpoint
 tensor goes, including the packed ``qkv_proj`` (q | k | v) and ``gate_up_proj`` (gate | up)
 shards and, in MoE layers, each expert's slice of the packed expert tensors.
+
+With tensor parallelism (``model.parallel``) each rank reads only its slices of the
+checkpoint: ``iter_checkpoint_slices`` yields safetensors' lazy slices and ``load_weights``
+reads from each the rows (column-parallel, vocabulary) or columns (row-parallel) the rank
+holds, after checking the tensor's full shape.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +25,7 @@ from safetensors.torch import save_file
 from replaylm.env import cache_dir
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
+from replaylm.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +94,10 @@ def target_of(name: str, cfg: ModelConfig) -> Target | None:
     return ".".join(parts), None, None
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp)
     return model.to_empty(device=device).to(dtype)
 
 
@@ -125,11 +133,38 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"unreadable safetensors file {f}: {e}") from e
 
 
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, checking every shape; all parameters must load."""
+def iter_checkpoint_slices(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """Like ``iter_checkpoint``, but each tensor as safetensors' lazy slice (nothing is read
+    until it is indexed): what a tensor-parallel rank loads its slices from."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, st.get_slice(name)
+        except Exception as e:  # as in iter_checkpoint: reading errors only
+            raise ValueError(f"unreadable safetensors file {f}: {e}") from e
+
+
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
+                 full_cfg: ModelConfig | None = None) -> None:
+    """Copy checkpoint tensors into the model, checking every shape; all parameters must load.
+
+    Tensors are ``torch.Tensor``s or safetensors slices. A tensor-parallel model
+    (``model.tp``) takes its rank's part of each; ``full_cfg`` is then the whole model's
+    config, whose shapes the checkpoint must have.
+    """
     cfg = model.cfg
+    tp = model.tp
+    full_cfg = full_cfg or cfg
     params = dict(model.named_parameters())
     pending = {n: _pieces(cfg, n, p) for n, p in params.items()}
+    full_shapes = None
+    if tp is not None:
+        with torch.device("meta"):
+            full_shapes = {n: tuple(p.shape) for n, p in CausalLM(full_cfg).named_parameters()}
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in params:
+                params[name].data.zero_()  # the vocabulary padding rows stay zero
     for name, tensor in tensors:
         target = target_of(name, cfg)
         if target is None:
@@ -147,20 +182,84 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         if shard is not None:
             sizes = shard_sizes(cfg, _packed(pname))
             dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if tuple(tensor.shape) != tuple(dst.shape):
+        expected = tuple(dst.shape)
+        if full_shapes is not None:
+            expected = full_shapes[pname]
+            if shard is not None:
+                expected = (shard_sizes(full_cfg, _packed(pname))[shard], *expected[1:])
+        shape = _shape_of(tensor)
+        if shape != expected:
             where = "".join(f" {k} {v}" for k, v in (("expert", expert), ("shard", shard))
                             if v is not None)
             raise ValueError(
-                f"checkpoint tensor {name} has shape {list(tensor.shape)} but the model expects "
-                f"{list(dst.shape)} (for {pname}{where})"
+                f"checkpoint tensor {name} has shape {list(shape)} but the model expects "
+                f"{list(expected)} (for {pname}{where})"
             )
-        dst.copy_(tensor)
+        if tp is None:
+            dst.copy_(_read(tensor))
+        else:
+            _load_rank_part(dst, tensor, pname, shard, tp, full_cfg, cfg)
         pending[pname] = {(e, s) for e, s in pending[pname]
                           if not ((expert is None or e == expert) and (shard is None or s == shard))}
     missing = sorted(n for n, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _shape_of(tensor: Any) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def _read(tensor: Any, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
+    """``tensor`` (or a safetensors slice, read only now), or its ``size`` entries from
+    ``start`` along ``dim``."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor if size is None else tensor.narrow(dim, start, size)
+    index = [slice(None)] * len(tensor.get_shape())
+    if size is not None:
+        index[dim] = slice(start, start + size)
+    return tensor[tuple(index)]
+
+
+def tp_slice(pname: str, shard: int | None, tp: TensorParallel, full: ModelConfig,
+             local: ModelConfig) -> tuple[int, int, int] | str | None:
+    """Which part of a checkpoint tensor a tensor-parallel rank loads into ``pname`` (its
+    ``shard``): ``(dim, start, size)``, ``"rank0"`` for a row-parallel bias (rank 0 holds it,
+    the others zeros), or None when every rank holds all of it."""
+    parts = pname.split(".")
+    module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if pname in ("embed_tokens.weight", "lm_head.weight"):
+        rows = tp.vocab_rows(full.vocab_size)
+        start = tp.rank * rows
+        return 0, start, max(0, min(rows, full.vocab_size - start))
+    if module == "qkv_proj":
+        if shard == 0:
+            return 0, tp.rank * local.q_size, local.q_size
+        return 0, tp.kv_head_start() * full.head_dim, local.kv_size
+    if module == "gate_up_proj":
+        return 0, tp.rank * local.intermediate_size, local.intermediate_size
+    if module in ("o_proj", "down_proj"):
+        width = local.q_size if module == "o_proj" else local.intermediate_size
+        return (1, tp.rank * width, width) if leaf == "weight" else "rank0"
+    return None
+
+
+def _load_rank_part(dst: torch.Tensor, tensor: Any, pname: str, shard: int | None,
+                    tp: TensorParallel, full: ModelConfig, local: ModelConfig) -> None:
+    part = tp_slice(pname, shard, tp, full, local)
+    if part is None:
+        dst.copy_(_read(tensor))
+    elif part == "rank0":
+        if tp.rank == 0:
+            dst.copy_(_read(tensor))
+        else:
+            dst.zero_()
+    else:
+        dim, start, size = part
+        if dst.shape[dim] != size:  # the last vocabulary slice: fewer rows than the padding
+            dst = dst.narrow(dim, 0, size)
+        dst.copy_(_read(tensor, dim, start, size))
 
 
 def _pieces(cfg: ModelConfig, pname: str, p: torch.Tensor) -> set[tuple[int | None, int | None]]:
@@ -196,13 +295,19 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    tp: TensorParallel | None = None,
+    full_cfg: ModelConfig | None = None,
 ) -> CausalLM:
-    model = build_empty(cfg, dtype, device)
+    """The model with its weights; with ``tp``, ``cfg`` is this rank's shard of ``full_cfg``
+    and only the rank's slices are read (dummy weights are then random per shard)."""
+    model = build_empty(cfg, dtype, device, tp)
     use_dummy = load_format == "dummy" or model_dir is None
     if use_dummy:
         init_dummy(model, seed)
-    else:
+    elif tp is None:
         load_weights(model, iter_checkpoint(checkpoint_files(model_dir)))
+    else:
+        load_weights(model, iter_checkpoint_slices(checkpoint_files(model_dir)), full_cfg)
     return model.eval()
 
 

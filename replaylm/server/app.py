@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
+from replaylm.distributed.driver import DataParallelEngine
 from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import RequestDelta
 from replaylm.server.connections import TIMED_OUT
@@ -65,13 +66,17 @@ def logprobs_supported() -> bool:
     return engine_supports("logprobs") and "logprobs" in delta_fields
 
 
-def build_app(core: EngineCore, max_queue: int = 1024, served_model_name: str | None = None,
+def build_app(core: EngineCore | DataParallelEngine, max_queue: int = 1024,
+              served_model_name: str | None = None,
               max_request_bytes: int = 8 * 2**20) -> FastAPI:
-    """An app serving ``core``; its engine loop starts and stops with the app's lifespan.
-    Request bodies above ``max_request_bytes`` are answered 413."""
+    """An app serving ``core`` (one engine, or the driver of data- and tensor-parallel
+    workers); its engine loop starts and stops with the app's lifespan. Request bodies above
+    ``max_request_bytes`` are answered 413."""
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
-    metrics = ServerMetrics(lambda: core.stats, lambda: engine.in_flight)
+    # Read at scrape time on the event loop's thread: a driver's live view, never its pipes.
+    stats = core.live_stats if isinstance(core, DataParallelEngine) else core.stats
+    metrics = ServerMetrics(lambda: stats, lambda: engine.in_flight)
     engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
     workers = PromptWorkers(core)
     with_logprobs = logprobs_supported()

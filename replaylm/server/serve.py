@@ -47,14 +47,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown."""
     try:
-        import uvicorn  # noqa: F401  (the server extra)
-
-        from replaylm.server.app import build_app
-        from replaylm.server.graceful import GracefulServer
+        import fastapi  # noqa: F401  (the server extra)
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"replaylm serve needs the server extra ({e.name} is missing): "
               "pip install 'replaylm[server]'", file=sys.stderr)
         return 1
+    from replaylm.distributed.driver import DataParallelEngine
     from replaylm.engine.llm import make_engine
 
     for flag, value in (("--max-queue", ns.max_queue), ("--max-request-bytes",
@@ -68,6 +67,17 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     core = make_engine(EngineArgs.from_cli_args(ns))
+    try:
+        return _serve(ns, core)
+    finally:
+        if isinstance(core, DataParallelEngine):
+            core.shutdown()  # the worker processes end with the server
+
+
+def _serve(ns: argparse.Namespace, core: Any) -> int:
+    from replaylm.server.app import build_app
+    from replaylm.server.graceful import GracefulServer
+
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
                     max_request_bytes=ns.max_request_bytes)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
@@ -77,12 +87,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     server = GracefulServer(config, on_exit=lambda: _stop_accepting(app),
                             on_deadline=lambda: app.state.engine.cancel_all(reason),
                             deadline_s=ns.shutdown_timeout)
-    try:
-        server.run()
-    finally:
-        shutdown = getattr(core, "shutdown", None)  # data parallel: end the worker processes
-        if shutdown is not None:
-            shutdown()
+    server.run()
     if not server.started:
         return 1  # e.g. the port is taken: uvicorn has logged why
     log.info("replaylm serve stopped cleanly")

@@ -1,0 +1,111 @@
+"""Tensor parallelism as the model sees it: which shard this rank holds, and the collectives.
+
+With ``tensor_parallel_size`` N each rank holds:
+
+- its ``num_heads / N`` query heads and ``num_kv_heads / N`` KV heads (when there are fewer KV
+  heads than ranks, N must be a multiple of them and each rank holds one KV head, shared with
+  the ranks whose query heads read it): the fused qkv projection is column-parallel;
+- ``intermediate_size / N`` of the MLP (gate | up column-parallel, down row-parallel);
+- o_proj and down_proj row-parallel, summed by an all-reduce (their biases live on rank 0);
+- ``ceil(vocab_size / N)`` rows of the embedding and of the LM head (the vocabulary padding
+  rule: the last rank's rows past the vocabulary are zero); a lookup reads its own rows and
+  zeroes the others, then an all-reduce; the logits slices are all-gathered, so every rank
+  holds the full logits and samples the same tokens.
+
+Every collective goes through :func:`all_reduce` and :func:`all_gather` below (torch.distributed:
+gloo on CPU, NCCL on CUDA, inside captured graphs); a model with no ``TensorParallel`` calls
+none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from replaylm.model.config import ModelConfig
+
+# torch >= 2.13 names it all_gather_single; earlier releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``x`` across the group's ranks, in place; returns ``x``."""
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[size, *x.shape]``: every rank's ``x``, in rank order."""
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out.view(size, *x.shape)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its tensor-parallel group, and the group's collectives."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+    num_kv_heads: int = 0  # the model's KV heads (all ranks), for the replicated layout
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(x, self.group)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather(x, self.size, self.group)
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` of any rank (a CPU collective)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def vocab_rows(self, vocab_size: int) -> int:
+        """Rows of the embedding / LM head each rank holds: ``ceil(vocab_size / size)``."""
+        return -(-vocab_size // self.size)
+
+    def kv_head_start(self) -> int:
+        """The first of this rank's KV heads among the model's."""
+        per_rank = max(1, self.num_kv_heads // self.size)
+        if self.num_kv_heads >= self.size:
+            return self.rank * per_rank
+        return self.rank // (self.size // self.num_kv_heads)
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming ``tensor_parallel_size`` if ``cfg`` cannot be split ``size``
+    ways."""
+    if size == 1:
+        return
+    field = f"EngineArgs.tensor_parallel_size={size}"
+    if cfg.num_experts:
+        raise ValueError(f"{field} is not supported for MoE models ({cfg.architecture}): "
+                         "run them with tensor_parallel_size=1 (data_parallel_size may be > 1)")
+    if cfg.num_heads % size:
+        raise ValueError(f"{field} does not divide the model's {cfg.num_heads} attention heads")
+    kv = cfg.num_kv_heads
+    if kv >= size and kv % size:
+        raise ValueError(f"{field} does not divide the model's {kv} KV heads")
+    if kv < size and size % kv:
+        raise ValueError(f"{field} is not a multiple of the model's {kv} KV heads (with fewer "
+                         "KV heads than ranks, each KV head is replicated on size / KV heads "
+                         "ranks)")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"{field} does not divide the model's intermediate_size "
+                         f"{cfg.intermediate_size}")
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The shapes one rank of ``size`` holds (``vocab_size`` stays the model's: every rank
+    sees the full logits)."""
+    check_tensor_parallel(cfg, size)
+    if size == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
+                               num_kv_heads=max(1, cfg.num_kv_heads // size),
+                               intermediate_size=cfg.intermediate_size // size)
