@@ -117,10 +117,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
                  max_model_len: int, tp: TensorParallel | None = None,
                  kv_partner: Any = None) -> None:
-        self.tp = tp
-        # Tensor parallel leader: sends each step's input to the other ranks of its group.
-        self.broadcast: Callable[[tuple], None] | None = None
-        self._setup(args, cfg, max_model_len)
+        self._setup(args, cfg, max_model_len, tp)
         self.spec = (SpecConfig.from_dict(args.speculative_config)
                      if args.speculative_config is not None else None)
         if self.spec is not None:
@@ -146,10 +143,14 @@ class ModelRunner:
         self._warm_sampler()
         self._start_graphs()
 
-    def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int) -> None:
+    def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int,
+               tp: TensorParallel | None = None) -> None:
         """Device, dtype, graph mode and tiers from the settings; under tensor parallel,
         ``cfg`` becomes this rank's shard (``full_cfg`` keeps the whole model's)."""
         self.args = args
+        self.tp = tp
+        # Tensor parallel leader: sends each step's input to the other ranks of its group.
+        self.broadcast: Callable[[tuple], None] | None = None
         self.full_cfg = cfg
         self.cfg = shard_config(cfg, self.tp.size) if self.tp is not None else cfg
         self.device = resolve_device(args.device)
