@@ -130,7 +130,7 @@ def test_moe_mode_matches_eager_tokens(moe_checkpoint, mode):
 def test_side_stream_setting_is_validated_and_needs_cuda(moe_checkpoint):
     from replaylm.config import EngineArgs
 
-    assert EngineArgs().moe_side_stream_max_tokens == 256
+    assert EngineArgs().moe_side_stream_max_tokens == 64
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="moe_side_stream_max_tokens"):
             EngineArgs(moe_side_stream_max_tokens=bad)
