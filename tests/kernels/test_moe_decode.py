@@ -11,6 +11,7 @@ import torch
 
 from replaylm.graphs.stand_in import no_host_sync
 from replaylm.kernels import ref
+from tests.kernels.moe_cases import moe_case
 
 
 def _stable_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -60,16 +61,6 @@ def test_route_topk_refuses_more_choices_than_experts(kernels):
         kernels.moe_decode.route_topk(torch.zeros(1, 4), 5, normalize=False)
 
 
-def _moe_case(t, e, k, h, i, seed, bias=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g)
-    logits = torch.randn(t, e, generator=g)
-    if bias is not None:
-        logits = logits + bias
-    w_gate_up = torch.randn(e, 2 * i, h, generator=g) * 0.1
-    w_down = torch.randn(e, h, i, generator=g) * 0.1
-    weights, ids = ref.route_topk(logits, k, normalize=True)
-    return x, w_gate_up, w_down, weights, ids
 
 
 GEMV_CASES = {
@@ -88,7 +79,7 @@ GEMV_CASES = {
 @pytest.mark.parametrize("case", sorted(GEMV_CASES))
 def test_gemv_moe_matches_reference(kernels, case):
     t, e, k, h, i, bias, configs = GEMV_CASES[case]
-    x, w_gate_up, w_down, weights, ids = _moe_case(t, e, k, h, i, seed=len(case), bias=bias)
+    x, w_gate_up, w_down, weights, ids = moe_case(t, e, k, h, i, seed=len(case), bias=bias, normalize=True)
     if case == "unused_experts":
         assert (ids >= 4).all()
     if case == "one_expert":
@@ -108,7 +99,7 @@ def test_ops_switch_paths_at_the_threshold(kernels, monkeypatch, extra):
     md = kernels.moe_decode
     monkeypatch.setattr(md, "MAX_ASSIGNMENTS", 8)
     t, k = 4 + extra, 2
-    x, w_gate_up, w_down, weights, ids = _moe_case(t, 6, k, 32, 16, seed=11 + extra)
+    x, w_gate_up, w_down, weights, ids = moe_case(t, 6, k, 32, 16, seed=11 + extra, normalize=True)
     calls = []
     monkeypatch.setattr(md, "gemv_moe", lambda *a: calls.append("gemv") or a[0])
     monkeypatch.setattr(kernels.moe, "fused_moe", lambda *a: calls.append("grouped") or a[0])

@@ -8,19 +8,7 @@ import torch
 
 from replaylm.graphs.stand_in import no_host_sync
 from replaylm.kernels import ref
-
-
-def _case(t, e, k, h, i, seed, bias=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g)
-    logits = torch.randn(t, e, generator=g)
-    if bias is not None:
-        logits = logits + bias
-    w_gate_up = torch.randn(e, 2 * i, h, generator=g) * 0.1
-    w_down = torch.randn(e, h, i, generator=g) * 0.1
-    weights, ids = ref.route_topk(logits, k, normalize=False)
-    return x, w_gate_up, w_down, weights, ids
-
+from tests.kernels.moe_cases import moe_case
 
 CASES = {
     # t, e, k, h, i, per-expert logit bias
@@ -34,7 +22,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_grouped_moe_matches_reference(kernels, case):
     t, e, k, h, i, bias = CASES[case]
-    x, w_gate_up, w_down, weights, ids = _case(t, e, k, h, i, seed=len(case), bias=bias)
+    x, w_gate_up, w_down, weights, ids = moe_case(t, e, k, h, i, seed=len(case), bias=bias)
     if case == "unused_experts":
         assert (ids >= 4).all()
     if case == "one_expert":
