@@ -160,9 +160,6 @@ class EngineArgs:
                 self.distributed_timeout_s, int | float) or not self.distributed_timeout_s > 0:
             raise ValueError(f"EngineArgs.distributed_timeout_s={self.distributed_timeout_s!r} "
                              "is invalid: must be a number of seconds > 0")
-        if self.data_parallel_size > 1 and self.speculative_config is not None:
-            raise ValueError("EngineArgs.speculative_config is not supported with "
-                             f"data_parallel_size={self.data_parallel_size} (> 1)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("EngineArgs.speculative_config is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size} (> 1)")

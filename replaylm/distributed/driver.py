@@ -38,6 +38,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.model.parallel import check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
+from replaylm.spec.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,6 @@ class DataParallelEngine:
     # the driver loads itself: the same methods as a single engine's.
     tokenize = EngineCore.tokenize
     validate = EngineCore.validate
-    spec_stats = None  # EngineArgs refuses speculative decoding with data parallelism
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -199,6 +199,7 @@ class DataParallelEngine:
                 setattr(total, f.name, _sum(values))
         total.last_step = per_rank[0].last_step
         total.requests_rejected += self.rejected
+        total.spec = _sum_spec([s.spec for s in per_rank if s.spec is not None])
         return total
 
     def _refresh_live(self) -> None:
@@ -211,6 +212,11 @@ class DataParallelEngine:
             setattr(self.live_stats, f.name, getattr(total, f.name))
         self.live_stats.graphs = SimpleNamespace(**self._summed_graphs(
             [g for _, g in self._snapshots]))
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """The ranks' speculative decoding counters, summed (None when it is off)."""
+        return self.stats.spec
 
     def graph_stats(self) -> dict:
         """The ranks' graph statistics summed, and each rank's under ``ranks``."""
@@ -310,6 +316,17 @@ class DataParallelEngine:
         where = ", ".join(f"{g} (data-parallel rank {g // self.tp}, tensor-parallel rank "
                           f"{g % self.tp})" for g in ranks)
         raise DataParallelError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
+
+
+def _sum_spec(per_rank: list[SpecStats]) -> SpecStats | None:
+    """Speculative decoding counters summed over ranks (their settings are shared)."""
+    if not per_rank:
+        return None
+    total = dataclasses.replace(per_rank[0])
+    for f in dataclasses.fields(SpecStats):
+        if f.name not in SpecStats.SETTINGS:
+            setattr(total, f.name, sum(getattr(s, f.name) for s in per_rank))
+    return total
 
 
 def _sum(values: list):

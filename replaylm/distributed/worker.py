@@ -132,9 +132,11 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
 
 
 def _snapshot(core: EngineCore) -> tuple[EngineStats, dict]:
-    """The engine's counters (without the live graph and spec objects) and graph stats."""
+    """The engine's counters (without the live graph object; speculative decoding's as a
+    copy) and graph stats."""
     core.snapshot_at = time.monotonic()
-    return dataclasses.replace(core.stats, graphs=None, spec=None), core.graph_stats()
+    spec = dataclasses.replace(core.spec_stats) if core.spec_stats is not None else None
+    return dataclasses.replace(core.stats, graphs=None, spec=spec), core.graph_stats()
 
 
 def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
 class SpecStats:
+    #: Fields that are settings, not counters (data-parallel ranks share them; the rest sum).
+    SETTINGS: ClassVar[tuple[str, ...]] = ("num_speculative_tokens", "budget", "verify")
+
     num_speculative_tokens: int = 0  # the budget: most drafts a request verifies per step
     budget: str = "fixed"
     verify: str = "ragged"  # the verify layout (``SpecConfig.verify``)
