@@ -199,7 +199,7 @@ class DataParallelEngine:
                 setattr(total, f.name, _sum(values))
         total.last_step = per_rank[0].last_step
         total.requests_rejected += self.rejected
-        total.spec = _sum_spec([s.spec for s in per_rank if s.spec is not None])
+        total.spec = SpecStats.summed([s.spec for s in per_rank if s.spec is not None])
         return total
 
     def _refresh_live(self) -> None:
@@ -316,17 +316,6 @@ class DataParallelEngine:
         where = ", ".join(f"{g} (data-parallel rank {g // self.tp}, tensor-parallel rank "
                           f"{g % self.tp})" for g in ranks)
         raise DataParallelError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
-
-
-def _sum_spec(per_rank: list[SpecStats]) -> SpecStats | None:
-    """Speculative decoding counters summed over ranks (their settings are shared)."""
-    if not per_rank:
-        return None
-    total = dataclasses.replace(per_rank[0])
-    for f in dataclasses.fields(SpecStats):
-        if f.name not in SpecStats.SETTINGS:
-            setattr(total, f.name, sum(getattr(s, f.name) for s in per_rank))
-    return total
 
 
 def _sum(values: list):

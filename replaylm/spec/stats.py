@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 
@@ -11,6 +11,17 @@ from typing import Any, ClassVar
 class SpecStats:
     #: Fields that are settings, not counters (data-parallel ranks share them; the rest sum).
     SETTINGS: ClassVar[tuple[str, ...]] = ("num_speculative_tokens", "budget", "verify")
+
+    @classmethod
+    def summed(cls, parts: Sequence[SpecStats]) -> SpecStats | None:
+        """Several engines' counters added up (data-parallel ranks); None for no parts."""
+        if not parts:
+            return None
+        total = replace(parts[0])
+        for f in fields(cls):
+            if f.name not in cls.SETTINGS:
+                setattr(total, f.name, sum(getattr(p, f.name) for p in parts))
+        return total
 
     num_speculative_tokens: int = 0  # the budget: most drafts a request verifies per step
     budget: str = "fixed"
