@@ -239,6 +239,14 @@ def sample(
     return torch.where(is_greedy, greedy_ids, random_ids)
 
 
+def draw(probs: torch.Tensor, seed_keys: torch.Tensor, out_pos: torch.Tensor,
+         vocab_hash: torch.Tensor) -> torch.Tensor:
+    """One token per row of the probability table ``probs`` ``[L, V]``, by the same
+    counter-based exponential race as ``sample`` (randomness from ``(seed key, out_pos)``)."""
+    log_e = uniforms(row_keys(seed_keys, out_pos), vocab_hash).log_().neg_().log_()
+    return (log_e - probs.log()).argmin(dim=-1)
+
+
 def sampling_probs(logits: torch.Tensor, slots: torch.Tensor, state: SamplingState,
                    need_filter: bool = True) -> torch.Tensor:
     """The distribution ``sample`` draws each row from: ``[L, V]`` fp32 probabilities of

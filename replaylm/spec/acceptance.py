@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.sampling.sampler import row_keys, uniforms
+from replaylm.sampling.sampler import draw, row_keys, uniforms
 
 _ACCEPT_SALT = 0x5BD1E995  # separates the accept-test stream from the sampling streams
 
@@ -60,6 +60,5 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
     residual = (target_probs - draft_probs).clamp_(min=0)
     # A row whose residual is all zero (p == q) is always accepted; keep its draw finite.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs)
-    log_e = uniforms(row_keys(seed_keys, out_pos), vocab_hash).log_().neg_().log_()
-    drawn = (log_e - residual.log()).argmin(-1)
+    drawn = draw(residual, seed_keys, out_pos, vocab_hash)
     return accepted, torch.where(accepted, draft_tokens, drawn)

@@ -47,7 +47,7 @@ from replaylm.engine.packing import build_host_batch
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from replaylm.model.config import ModelConfig
-from replaylm.sampling.sampler import SamplingState, row_keys, sampling_probs, uniforms
+from replaylm.sampling.sampler import SamplingState, draw, sampling_probs
 from replaylm.spec.acceptance import rejection_sample
 from replaylm.spec.config import FIELD, SpecConfig
 
@@ -364,9 +364,8 @@ class DraftModelDrafter:
             conf = probs.max(dim=-1).values
             tokens = greedy.clone()
         if sampled:
-            keys = row_keys(state.seed_key.index_select(0, slots) ^ _DRAFT_SALT, out_pos)
-            log_e = uniforms(keys, state.vocab_hash(self.vocab_size)).log_().neg_().log_()
-            drawn = (log_e - probs.log()).argmin(dim=-1)
+            drawn = draw(probs, state.seed_key.index_select(0, slots) ^ _DRAFT_SALT, out_pos,
+                         state.vocab_hash(self.vocab_size))
             is_greedy = state.temperature.index_select(0, slots) == 0.0
             tokens = torch.where(is_greedy, greedy, drawn)
             q = probs.index_select(0, torch.tensor(sampled, device=probs.device))
