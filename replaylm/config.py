@@ -121,8 +121,7 @@ class EngineArgs:
     shipped_tuning_table: bool = True
     tuning_compile_threads: int = 0
     rope_in_attention_max_reqs: int = 1
-    # On the H200 (qwen1.5-moe-a2.7b, ragged) the side stream ran batch 1, 16 and 64 5-10%
-    # faster and 256 requests 0.5% slower: docs/benchmarks.md.
+    # The largest measured size at which the side stream paid (docs/benchmarks.md, MoE).
     moe_side_stream_max_tokens: int = 64
     max_stop_strings: int = 32
     max_stop_string_length: int = 256

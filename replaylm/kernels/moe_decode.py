@@ -57,9 +57,9 @@ CANDIDATES: list[tuple[int, int, int]] = [
 #: Most (token, expert) assignments ``kernels.ops.fused_moe`` sends to :func:`gemv_moe`;
 #: above, the grouped path (``kernels.moe``). The GEMVs read an expert once per assignment
 #: (repeats from L2 at best) while grouping reads it once per tile but costs a dozen small
-#: launches. On the H200 (benchmarks/moe.py, the experts alone) the GEMVs win at T=4 on
-#: both named MoE shapes (16 and 32 assignments) and lose at T=16 (64 and 128: 313 against
-#: 248 µs on qwen1.5-moe-a2.7b, 288 against 264 µs on qwen3-30b-a3b), hence 32.
+#: launches. benchmarks/moe.py on the H200 had the GEMVs faster at T=4 on both named MoE
+#: shapes (16 and 32 assignments) and the grouped kernels faster at T=16 (64 and 128;
+#: docs/benchmarks.md, MoE).
 MAX_ASSIGNMENTS = 32
 #: Programs per SM :func:`pick_config` aims for: enough weight loads in flight to keep
 #: HBM busy while each program waits on its own.
