@@ -13,8 +13,11 @@ Four parts, each selectable (``--parts``):
 - ``acceptance`` (b): end-to-end greedy tok/s against the acceptance rate. A plain greedy run
   records each prompt's continuation first; ``ControlledDrafter`` then drafts that
   continuation with every draft token replaced by a wrong one with probability ``1 - p``,
-  so on any weights (random ones included) each draft is accepted with probability ``p``
-  given the ones before it were. Plain decoding against fixed K and the adaptive budget.
+  and the verify accepts the drafts it left right up to the first wrong one, so on any
+  weights (random ones included) each draft is accepted with probability ``p`` given the
+  ones before it were. Outputs then follow the accepted drafts, not the plain run's
+  (``matches_reference`` counts the requests that still equal it). Plain decoding against
+  fixed K and the adaptive budget.
 - ``ngram`` (c): the n-gram drafter on prompts made of a repeated span, fixed K and
   adaptive against plain (on random weights the output does not repeat the prompt, so
   acceptance is near zero: the point is what the budget does with it).
@@ -98,10 +101,17 @@ class LengthDrafter:
 class ControlledDrafter:
     """Drafts each request's recorded greedy continuation (``references``: prompt -> output
     of a plain greedy run), every draft token replaced by another token with probability
-    ``1 - p``. While the target emits that continuation, each draft is accepted with
-    probability ``p`` given the drafts before it were. A request whose output left its
-    reference (possible where numerics differ between batch shapes) gets no more drafts and
-    is counted in ``diverged``.
+    ``1 - p``, and decides which drafts the verify accepts (``acceptance``): the drafts it
+    left right, up to the first it corrupted.
+
+    Acceptance is imposed rather than left to the target's argmax because bf16 numerics
+    differ between batch shapes: a verify row's logits are not bit-equal to the decode
+    step's that recorded the reference, and on random weights (near-flat logits) the
+    argmax flips within a few tokens, after which the reference says nothing. So the verify
+    step, the acceptance kernels, the KV rollback and the host's bookkeeping all run as in
+    real speculative decoding, with a known acceptance process: each draft is accepted with
+    probability ``p`` given the ones before it were. A request whose output left its
+    reference (``diverged``) is drafted random tokens, with the same process.
 
     ``expected_accepted`` sums, over proposals, the accepted length they imply
     (``p + p² + … + pᵏ``); divided by ``proposals`` it is the mean accepted length to expect
@@ -113,6 +123,7 @@ class ControlledDrafter:
         self.refs, self.p, self.vocab = references, p, vocab_size
         self.rng = np.random.default_rng(seed)
         self.diverged: set[tuple[int, ...]] = set()
+        self.right: dict[int, np.ndarray] = {}  # id(request) -> its latest drafts' marks
         self.proposals = 0
         self.expected_accepted = 0.0
 
@@ -123,17 +134,20 @@ class ControlledDrafter:
         key = tuple(req.prompt_token_ids)
         ref = self.refs.get(key)
         out = req.output_token_ids
-        if ref is None or k < 1 or key in self.diverged:
+        if ref is None or k < 1:
             return []
-        if ref[:len(out)] != out:
+        if key not in self.diverged and ref[:len(out)] != out:
             self.diverged.add(key)
-            return []
-        draft = list(ref[len(out): len(out) + k])
+        if key in self.diverged:
+            draft = self.rng.integers(0, self.vocab, k).tolist()
+        else:
+            draft = list(ref[len(out): len(out) + k])
         if not draft:
             return []
-        wrong = self.rng.random(len(draft)) >= self.p
-        for j in np.flatnonzero(wrong):
+        right = self.rng.random(len(draft)) < self.p
+        for j in np.flatnonzero(~right):
             draft[j] = int((draft[j] + 1 + self.rng.integers(0, self.vocab - 1)) % self.vocab)
+        self.right[id(req)] = right
         self.proposals += 1
         self.expected_accepted += sum(self.p ** j for j in range(1, len(draft) + 1))
         return draft
@@ -141,6 +155,45 @@ class ControlledDrafter:
     @property
     def expected_accepted_length(self) -> float | None:
         return self.expected_accepted / self.proposals if self.proposals else None
+
+    def shadow_accepted(self, req: Any, drafts: list[int], actual: list[int]) -> int:
+        """How many of a shadow proposal's drafts the verify would have accepted (the
+        adaptive budget's coasting, ``spec.adaptive``): the leading ones left right."""
+        right = self.right[id(req)][:len(drafts)]
+        return len(right) if right.all() else int(np.argmin(right))
+
+    def acceptance(self, out: Any, state: Any) -> Any:
+        """``ModelRunner.verify_accept``: each draft row's token becomes its draft when the
+        draft was left right, and anything but its draft otherwise (all on the device)."""
+        rows: list[int] = []
+        drafts: list[int] = []
+        right: list[bool] = []
+        row = 0
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            k = len(s.drafts)
+            if k:
+                rows += range(row, row + k)
+                drafts += s.drafts
+                right += self.right[id(s.request)][:k].tolist()
+            row += k + 1
+        if not rows:
+            return None
+        vocab = self.vocab
+
+        def accept(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            dev = tokens.device
+            rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+            drafts_t = torch.tensor(drafts, dtype=tokens.dtype).to(dev, non_blocking=True)
+            right_t = torch.tensor(right).to(dev, non_blocking=True)
+            wrong = (drafts_t + 1) % vocab
+            sampled = tokens.index_select(0, rows_t)
+            new = torch.where(right_t, drafts_t,
+                              torch.where(sampled == drafts_t, wrong, sampled))
+            return tokens.index_copy(0, rows_t, new)
+
+        return accept
 
 
 # Measurements -------------------------------------------------------------------------------

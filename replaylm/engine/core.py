@@ -94,14 +94,19 @@ class EngineCore:
             self.scheduler.on_release = self.drafter.release
             self.runner.verify_accept = self.drafter.acceptance
         self.stats.spec = self.spec_stats
-        self._overlap = args.overlap_scheduling and spec is None
-        self._samples_at = 0.0
         self.budget = None
         if spec is not None and spec.budget == "adaptive":
             top = self.runner.policy.top_tier
             tiers = self.runner.policy.token_tiers + [
                 t for t in eager_tiers(args.max_num_batched_tokens) if t > top]
-            self.budget = AdaptiveBudget(tiers)
+            self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens)
+        # Overlap scheduling runs plain steps; a step with drafts resolves before the next
+        # is built (the next input is the last token its verify emitted). So with
+        # speculation it pays only where plain steps run: the adaptive budget's coasting,
+        # for drafters without device state.
+        self._overlap = args.overlap_scheduling and (
+            spec is None or (self.budget is not None and draft_runner is None))
+        self._last_end: float | None = None  # end of the previous step that launched work
         # Overlap scheduling: the launched step not yet resolved (its output and samples).
         self._inflight: tuple[SchedulerOutput, PendingStep | None] | None = None
         # Per-step hooks (``replaylm.bench.profile.StepProfiler``): begin, launching,
@@ -249,13 +254,21 @@ class EngineCore:
         obs = self.step_observer
         if obs is not None:
             obs.begin()
-        if self.drafter is not None:
+        early: list[RequestDelta] = []
+        budget = self.budget
+        coasting = budget is not None and budget.coasting and self._overlap
+        if self.drafter is not None and not coasting:
+            if self._inflight is not None:  # drafts continue every request's latest token
+                early = self._resolve(*self._inflight)
+                self._inflight = None
+                self._last_end = None  # this step's time includes the previous one's wait
             self._propose_drafts()
+        elif coasting:
+            self._shadow_round()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         launched = None
         errors: list[RequestDelta] = []
-        t0 = time.perf_counter()
         if not out.is_empty:
             pending, dispatch, padded = self.runner.execute(
                 out, on_launch=obs.launching if obs is not None else None, agree=self.agree)
@@ -274,15 +287,30 @@ class EngineCore:
             launched = (out, pending)
         elif self.agree is not None:
             self.runner.idle(self.agree)
-        if self._overlap:
-            resolve, self._inflight = self._inflight, launched
-        else:
-            resolve = launched
-        deltas = errors + (self._resolve(*resolve) if resolve is not None else [])
-        if self.budget is not None and launched is not None:  # resolved: the step's cost
-            self.budget.observe_step(dispatch.tier if dispatch.graphed
-                                     else self.budget.tier_of(out.num_batched_tokens),
-                                     self._samples_at - t0)
+        verified = launched is not None and any(s.drafts for s in out.scheduled)
+        if self._overlap and not verified:
+            resolve = [self._inflight] if self._inflight is not None else []
+            self._inflight = launched
+        else:  # in launch order
+            resolve = [x for x in (self._inflight, launched) if x is not None]
+            self._inflight = None
+        deltas = early + errors
+        for step in resolve:
+            deltas += self._resolve(*step)
+        if budget is not None:
+            # The step's cost: end of the previous step to the end of this one, counted
+            # where it includes a wait for the GPU (plain: the previous step's; verify:
+            # its own, after a step that left nothing in flight).
+            now = time.perf_counter()
+            steady = resolve and (verified or resolve[0] is not launched)
+            if launched is not None and self._last_end is not None and steady:
+                budget.observe_step(dispatch.tier if dispatch.graphed
+                                    else budget.tier_of(out.num_batched_tokens),
+                                    now - self._last_end, verified)
+            self._last_end = now if launched is not None else None
+            if budget.coasting and budget.shadow:
+                budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
+                                    self._decoding(), self._base_tokens())
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -293,7 +321,6 @@ class EngineCore:
         obs = self.step_observer
         t0 = time.perf_counter() if obs is not None else 0.0
         sampled = pending.tokens() if pending is not None else []
-        self._samples_at = time.perf_counter()  # launch to samples: the adaptive budget's cost
         if obs is not None:
             obs.waited(time.perf_counter() - t0)
         if self.spec_stats is not None:
@@ -316,38 +343,56 @@ class EngineCore:
     def use_drafter(self, drafter: Any) -> None:
         """Propose drafts with ``drafter`` (``spec.drafter.Drafter``) from the next step on,
         in place of the one ``speculative_config`` named; the rest of the configuration
-        (``num_speculative_tokens``, budget, verify layout) stays. Benchmarks use it for
-        drafters with a known acceptance rate (``replaylm.bench.spec``)."""
+        (``num_speculative_tokens``, budget, verify layout) stays. A drafter with an
+        ``acceptance`` method decides its verify rows' tokens with it
+        (``ModelRunner.verify_accept``). Benchmarks use it for drafters with a known
+        acceptance rate (``replaylm.bench.spec``)."""
         if self.drafter is None:
             raise ValueError("use_drafter needs speculative decoding on "
                              "(EngineArgs.speculative_config)")
         self.drafter = drafter
+        self.runner.verify_accept = getattr(drafter, "acceptance", None)
+
+    def _decoding(self) -> list[Request]:
+        """Running requests whose next step decodes one token (the ones that may draft)."""
+        return [r for r in self.scheduler.running
+                if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens]
+
+    def _draft_room(self, reqs: list[Request]) -> list[int]:
+        k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
+        return [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+
+    def _base_tokens(self) -> int:
+        """The next step's tokens without drafts, as the scheduler will likely lay them out:
+        every running request's uncomputed tokens, then waiting prompts, in the budget."""
+        sched = self.scheduler
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        return max(1, min(base, self.args.max_num_batched_tokens))
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
         Penalties apply per output position in a verify (each row counts the drafts before
         it), so requests with penalties draft too."""
-        k = self.runner.spec.num_speculative_tokens  # type: ignore[union-attr]
-        reqs = []
         for r in self.scheduler.running:
             r.draft_tokens = []
-            if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens:
-                reqs.append(r)
-        room = [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+        reqs = self._decoding()
         t0 = time.perf_counter()
-        for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):  # type: ignore[union-attr]
+        proposals = self.drafter.propose(reqs, self._draft_room(reqs))  # type: ignore[union-attr]
+        for r, drafts in zip(reqs, proposals):
             r.draft_tokens = drafts
         self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
         if self.budget is not None:
-            # The step's tokens without drafts, as the scheduler will likely lay them out:
-            # every running request's uncomputed tokens, then waiting prompts, in the budget.
-            sched = self.scheduler
-            base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
-            base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            base = min(base, self.args.max_num_batched_tokens)
-            drafted = [r for r in reqs if r.draft_tokens]
-            self.budget.choose(drafted, max(base, 1))
+            self.budget.choose([r for r in reqs if r.draft_tokens], self._base_tokens())
             self.spec_stats.budget_tokens += self.budget.last_choice  # type: ignore[union-attr]
+
+    def _shadow_round(self) -> None:
+        """Coasting (``spec.adaptive``): shadow proposals that learn acceptance unverified."""
+        reqs = [r for r in self.scheduler.running if r.num_output_tokens]
+        t0 = time.perf_counter()
+        self.budget.shadow_round(self.drafter, reqs, self._draft_room(reqs))  # type: ignore[union-attr]
+        self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
+        self.spec_stats.coast_steps += 1  # type: ignore[union-attr]
 
     def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:

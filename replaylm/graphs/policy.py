@@ -29,6 +29,7 @@ from replaylm.graphs.tiers import (
     default_token_tiers,
     parse_graph_tiers,
     round_up,
+    verify_token_tiers,
 )
 
 log = logging.getLogger(__name__)
@@ -100,14 +101,18 @@ class GraphPolicy:
     @classmethod
     def resolve(cls, mode: str, *, graph_tiers: str | None, max_graph_tokens: int,
                 max_graphs: int | None, max_num_seqs: int,
-                max_num_batched_tokens: int) -> GraphPolicy:
+                max_num_batched_tokens: int, speculative: bool = False) -> GraphPolicy:
         """Tiers for ``mode`` from the settings: the defaults, a given list, or tiers fitted
-        to a trace (``graph_tiers="auto:TRACE.json"``)."""
+        to a trace (``graph_tiers="auto:TRACE.json"``). With ``speculative`` the default
+        token tiers also hold ``verify_token_tiers``."""
         if mode == "eager":
             return cls("eager")
         cap = max_graph_tokens
         decode_default = default_decode_tiers(min(max_num_seqs, cap))
         token_default = default_token_tiers(min(cap, max_num_batched_tokens))
+        if speculative:
+            token_default = sorted(set(token_default) | set(
+                verify_token_tiers(min(cap, max_num_batched_tokens))))
         tiers, report = parse_graph_tiers(
             graph_tiers, default=decode_default if mode == "full" else token_default,
             limit=cap, max_graphs=max_graphs, what="max_graph_tokens",

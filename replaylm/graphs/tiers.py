@@ -95,6 +95,14 @@ def default_token_tiers(max_graph_tokens: int) -> list[int]:
     return _ladder(max_graph_tokens, [(8, 256), (16, 512), (64, 1024), (256, max_graph_tokens)])
 
 
+def verify_token_tiers(max_graph_tokens: int) -> list[int]:
+    """Token tiers added to the defaults when speculative decoding is on: a verify step of a
+    few requests holds any number of tokens (each request one plus its drafts), so every
+    size to 16 and step 4 to 64 get a graph, and such steps pad at most 3 tokens."""
+    _positive_int(max_graph_tokens, "max_graph_tokens")
+    return [t for t in (*range(1, 17), *range(20, 65, 4)) if t <= max_graph_tokens]
+
+
 def validate_tiers(tiers: Sequence[int], *, limit: int, what: str) -> list[int]:
     """Check a user-given tier list and return it as a fresh ``list[int]``.
 

@@ -145,14 +145,15 @@ class StepSampler:
         draft tokens each verify row's penalties count as earlier outputs. ``accept``, when
         given, maps (processed logits, sampled tokens) to the tokens the step keeps: a
         drafter whose proposals carry a distribution replaces its draft rows' samples by its
-        rejection sampling (``spec.draft_model``); the batch then has a non-greedy row.
+        rejection sampling (``spec.draft_model``), and a benchmark drafter imposes which
+        drafts are accepted (``bench.spec.ControlledDrafter``).
         """
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
         all_greedy = self.state.all_greedy(slots_cpu)
         procs_active = self.procs.active(slots_cpu)
         if greedy is not None and all_greedy and not procs_active:
-            tokens = greedy
+            tokens = greedy if accept is None else accept(raw, greedy)
         elif num_sampled:
             x = raw
             if procs_active:

@@ -1,24 +1,38 @@
 """The adaptive draft budget: measured step costs per token tier and per-request acceptance
-estimates feed ``budget.choose_budget`` every step.
+estimates feed ``budget.choose_budget`` every step, and decide when speculation pays at all.
 
-Costs are learnt online: while speculation is on each step is resolved before the next one
-is built, so its wall time (launch to samples on the host) is the step's cost; it is kept
-per tier (a graph's token tier, or for eager steps the next power of two) as a moving
-average. A tier not measured yet is estimated from the nearest measured one below it,
-scaled by the token ratio (above it: that tier's cost), so larger tiers are tried when they
-look worth it and then measured. Acceptance per request is a moving average of the share of
-its drafts accepted, starting at ``PRIOR``.
+Costs are learnt online as the wall time between the ends of consecutive steps, kept per
+tier (a graph's token tier, or for eager steps the next power of two) as moving averages:
+``costs`` for steps that verify drafts (resolved before the next step is built), and
+``plain_costs`` for plain steps run with overlap scheduling (the CPU builds step N+1 while
+the GPU runs step N), which is what decoding without speculation costs. A tier not measured
+yet is estimated from the nearest measured one below it, scaled by the token ratio (above
+it: that tier's cost).
+
+Acceptance per request is a moving average of the share of its drafts accepted; a request
+not measured yet starts from the engine's running average over all requests (``PRIOR``
+before any).
+
+Coasting: when a step's choice is zero drafts, speculation does not pay at the current
+estimates, and the engine runs plain overlapped steps (no drafting, no host sync) until it
+would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposals from the
+drafter on their known tokens, never verified: once the tokens they guessed have been
+generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
+proposals) update the acceptance estimates for free, and when the chooser would then
+verify drafts, coasting ends. A drafter with device state (a draft model) never coasts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from replaylm.spec.budget import choose_budget
 
-PRIOR = 0.5  # acceptance assumed for a request before its first verify
+PRIOR = 0.5  # acceptance assumed before anything is measured
 WEIGHT = 0.3  # weight of the newest observation in the moving averages
+SHADOW_EVERY = 8  # coasting: steps between rounds of shadow proposals
+SHADOW_REQUESTS = 16  # coasting: most requests given a shadow proposal per round
 
 
 def eager_tiers(max_tokens: int) -> list[int]:
@@ -30,53 +44,136 @@ def eager_tiers(max_tokens: int) -> list[int]:
     return tiers + [max_tokens]
 
 
+def _average(table: dict[int, float], key: int, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else old + WEIGHT * (value - old)
+
+
+def staircase(tiers: Sequence[int], measured: dict[int, float]) -> list[tuple[int, float]]:
+    """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or estimated from
+    the nearest measured tier below (scaled by the token ratio) or else above."""
+    if not measured:
+        return []
+    first = min(measured)
+    below: tuple[int, float] | None = None
+    out = []
+    for t in tiers:
+        if t in measured:
+            below = (t, measured[t])
+            out.append(below)
+        elif below is not None:
+            out.append((t, below[1] * t / below[0]))
+        else:
+            out.append((t, measured[first]))
+    return out
+
+
+def leading_matches(drafts: Sequence[int], actual: Sequence[int]) -> int:
+    """How many of ``drafts`` equal ``actual`` before the first that does not."""
+    n = 0
+    for d, a in zip(drafts, actual):
+        if d != a:
+            break
+        n += 1
+    return n
+
+
 class AdaptiveBudget:
-    def __init__(self, tiers: Sequence[int]) -> None:
+    def __init__(self, tiers: Sequence[int], num_speculative_tokens: int) -> None:
         self.tiers = sorted(set(tiers))
-        self.costs: dict[int, float] = {}  # tier -> seconds (moving average)
+        self.k = num_speculative_tokens
+        self.costs: dict[int, float] = {}  # verify steps: tier -> seconds
+        self.plain_costs: dict[int, float] = {}  # plain overlapped steps: tier -> seconds
+        self.acceptance = PRIOR  # running average over every request's observations
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
+        self.coasting = False
+        self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
+        self._since_shadow = 0
 
     def tier_of(self, num_tokens: int) -> int | None:
         return next((t for t in self.tiers if t >= num_tokens), None)
 
-    def observe_step(self, tier: int | None, seconds: float) -> None:
-        if tier is None:
-            return
-        old = self.costs.get(tier)
-        self.costs[tier] = seconds if old is None else old + WEIGHT * (seconds - old)
+    def observe_step(self, tier: int | None, seconds: float, verified: bool) -> None:
+        """A step's wall time (end of the previous step to end of this one)."""
+        if tier is not None:
+            _average(self.costs if verified else self.plain_costs, tier, seconds)
 
-    @staticmethod
-    def observe_verify(req: Any, drafts: int, accepted: int) -> None:
+    def estimate(self, req: Any) -> float:
+        return getattr(req, "spec_acceptance", self.acceptance)
+
+    def observe_verify(self, req: Any, drafts: int, accepted: int) -> None:
         trials = accepted + (1 if accepted < drafts else 0)
-        est = getattr(req, "spec_acceptance", PRIOR)
-        req.spec_acceptance = est + WEIGHT * (accepted / trials - est)
+        rate = accepted / trials
+        est = self.estimate(req)
+        req.spec_acceptance = est + WEIGHT * (rate - est)
+        self.acceptance += WEIGHT * (rate - self.acceptance)
 
     def staircase(self) -> list[tuple[int, float]]:
-        """(tier, seconds) for every tier: measured, or estimated from a measured one."""
-        measured = sorted(self.costs.items())
-        if not measured:
-            return []
-        out = []
-        for t in self.tiers:
-            if t in self.costs:
-                out.append((t, self.costs[t]))
-                continue
-            below = [(mt, c) for mt, c in measured if mt < t]
-            mt, c = below[-1] if below else measured[0]
-            out.append((t, c * t / mt if below else c))
-        return out
+        return staircase(self.tiers, self.costs)
+
+    def plain_cost(self, num_tokens: int) -> float | None:
+        """Seconds of a plain overlapped step of ``num_tokens`` tokens (None: not measured)."""
+        tier = self.tier_of(num_tokens)
+        stairs = dict(staircase(self.tiers, self.plain_costs))
+        return stairs.get(tier) if tier is not None else None
+
+    def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int]) -> list[int]:
+        costs = self.staircase()
+        if not costs:
+            return max_drafts
+        return choose_budget(costs, base_tokens, [self.estimate(r) for r in reqs], max_drafts,
+                             base_cost=self.plain_cost(base_tokens))
 
     def choose(self, reqs: Sequence[Any], base_tokens: int) -> list[int]:
         """Trim each request's ``draft_tokens`` to its share of this step's budget; returns
-        the draft counts kept. Before any cost is measured, drafts are kept as proposed."""
-        costs = self.staircase()
-        if not costs:
-            ks = [len(r.draft_tokens) for r in reqs]
-        else:
-            ks = choose_budget(costs, base_tokens,
-                               [getattr(r, "spec_acceptance", PRIOR) for r in reqs],
-                               [len(r.draft_tokens) for r in reqs])
+        the draft counts kept. Before any verify cost is measured, drafts are kept as
+        proposed. A choice of none starts coasting."""
+        ks = self._choice(reqs, base_tokens, [len(r.draft_tokens) for r in reqs])
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
+        if not self.last_choice:
+            self.coasting = True
+            self._since_shadow = 0
         return ks
+
+    # Coasting -------------------------------------------------------------------------------
+
+    def shadow_round(self, drafter: Any, reqs: Sequence[Any], room: Sequence[int]) -> None:
+        """Every ``SHADOW_EVERY`` calls: proposals for up to ``SHADOW_REQUESTS`` of ``reqs``
+        (decoding requests, with ``room[i]`` drafts left) that have none outstanding."""
+        self._since_shadow += 1
+        if self._since_shadow < SHADOW_EVERY:
+            return
+        self._since_shadow = 0
+        pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
+        pick = pick[:SHADOW_REQUESTS]
+        if not pick:
+            return
+        for (r, _), drafts in zip(pick, drafter.propose([r for r, _ in pick],
+                                                        [k for _, k in pick])):
+            if drafts:
+                self.shadow[r] = (r.num_output_tokens, list(drafts))
+
+    def shadow_check(self, judge: Callable[[Any, list[int], list[int]], int] | None,
+                     running: Sequence[Any], base_tokens: int) -> None:
+        """Score the shadow proposals whose tokens are now known, and end coasting when
+        the chooser would verify drafts at the updated estimates."""
+        scored = False
+        for req, (at, drafts) in list(self.shadow.items()):
+            if req.is_finished:
+                del self.shadow[req]
+                continue
+            out = req.output_token_ids
+            if len(out) < at + len(drafts):
+                continue
+            del self.shadow[req]
+            actual = out[at: at + len(drafts)]
+            accepted = (judge(req, drafts, actual) if judge is not None
+                        else leading_matches(drafts, actual))
+            self.observe_verify(req, len(drafts), accepted)
+            scored = True
+        if scored and running and sum(self._choice(running, base_tokens,
+                                                   [self.k] * len(running))):
+            self.coasting = False
+            self.shadow.clear()

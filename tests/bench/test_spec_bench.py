@@ -4,8 +4,11 @@ writes sane rows, and the controlled drafter's acceptance is what its ``p`` impl
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from replaylm.bench.spec import ControlledDrafter, Options, engine_plan
 from replaylm.cli.main import main
@@ -80,7 +83,7 @@ def test_spec_bench_writes_every_part(tmp_path, capsys):
         assert_png(tmp_path / f"spec_{suffix}.png")
 
 
-def test_controlled_drafter_hits_its_rate_and_stops_on_divergence():
+def test_controlled_drafter_hits_its_rate_and_imposes_acceptance():
     class Req:
         def __init__(self, prompt, out):
             self.prompt_token_ids, self.output_token_ids = prompt, out
@@ -94,8 +97,26 @@ def test_controlled_drafter_hits_its_rate_and_stops_on_divergence():
         right += sum(a == b for a, b in zip(draft, ref[g:g + 4]))
         total += 4
     assert abs(right / total - 0.7) < 0.1
-    assert d.propose([Req([1, 2], ref[:3] + [0])], [4]) == [[]] and d.diverged == {(1, 2)}
     assert d.propose([Req([9], [])], [4]) == [[]]  # no reference: no drafts
+
+    # Two requests of a verify: A (3 drafts, kept), B (no drafts), C (2 drafts, kept 1).
+    a, b, c = Req([1, 2], ref[:5]), Req([1, 2], ref[:5]), Req([1, 2], ref[:5] + [0])
+    (da,), (dc,) = d.propose([a], [3]), d.propose([c], [2])
+    assert d.diverged == {(1, 2)} and len(dc) == 2  # C left its reference: random drafts
+    d.right[id(a)] = np.array([True, False, True])
+    d.right[id(c)] = np.array([True, True])
+    sched = [SimpleNamespace(sample=True, drafts=da, request=a),
+             SimpleNamespace(sample=True, drafts=[], request=b),
+             SimpleNamespace(sample=False, drafts=[], request=None),  # a prefill chunk
+             SimpleNamespace(sample=True, drafts=dc[:1], request=c)]
+    accept = d.acceptance(SimpleNamespace(scheduled=sched), None)
+    # Sampled rows: A's 4, B's 1, C's 2; every sample equals its row's draft (as greedy
+    # acceptance would accept them all), so only the imposition decides.
+    tokens = torch.tensor(da + [7] + [5] + dc[:1] + [8])
+    got = accept(None, tokens).tolist()
+    assert got[0] == da[0] and got[1] != da[1] and got[2] == da[2]  # right, wrong, right
+    assert got[3:5] == [7, 5] and got[5] == dc[0] and got[6] == 8
+    assert d.acceptance(SimpleNamespace(scheduled=sched[1:3]), None) is None
 
 
 def test_plan_builds_each_engine_once_plain_first():

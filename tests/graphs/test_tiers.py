@@ -363,3 +363,20 @@ def test_parse_auto(tmp_path) -> None:
 def test_parse_auto_missing_trace(tmp_path) -> None:
     with pytest.raises(FileNotFoundError):
         parse_graph_tiers(f"auto:{tmp_path / 'x.json'}", default=[1], limit=8, max_graphs=None)
+
+
+def test_speculative_engines_get_verify_tiers() -> None:
+    """Verify steps of a few requests hold any token count: with speculation on, every size
+    to 16 and step 4 to 64 is a tier (a given tier list is left as given)."""
+    from replaylm.graphs.policy import GraphPolicy
+    from replaylm.graphs.tiers import verify_token_tiers
+
+    kw = dict(graph_tiers=None, max_graph_tokens=512, max_graphs=None, max_num_seqs=64,
+              max_num_batched_tokens=512)
+    plain = GraphPolicy.resolve("ragged", **kw).token_tiers
+    spec = GraphPolicy.resolve("ragged", speculative=True, **kw).token_tiers
+    assert 3 not in plain and 20 not in plain
+    assert spec == sorted(set(plain) | set(range(1, 17)) | set(range(20, 65, 4)))
+    assert verify_token_tiers(10) == list(range(1, 11))
+    given = GraphPolicy.resolve("ragged", speculative=True, **(kw | {"graph_tiers": "1,8,64"}))
+    assert given.token_tiers == [1, 8, 64]

@@ -64,29 +64,105 @@ def test_matches_brute_force(seed):
 
 
 class _Req:
-    def __init__(self, drafts):
+    def __init__(self, drafts, output=()):
         self.draft_tokens = list(drafts)
+        self.output_token_ids = list(output)
+        self.is_finished = False
+
+    @property
+    def num_output_tokens(self):
+        return len(self.output_token_ids)
 
 
 def test_adaptive_budget_learns_costs_and_acceptance():
     from replaylm.spec.adaptive import PRIOR, AdaptiveBudget, eager_tiers
 
     assert eager_tiers(40) == [1, 2, 4, 8, 16, 32, 40]
-    b = AdaptiveBudget([4, 8, 16])
+    b = AdaptiveBudget([4, 8, 16], 4)
     reqs = [_Req([1, 2, 3]), _Req([4, 5])]
     assert b.choose(reqs, 2) == [3, 2]  # nothing measured yet: drafts as proposed
-    b.observe_step(4, 1.0)
-    b.observe_step(4, 2.0)
+    b.observe_step(4, 1.0, verified=True)
+    b.observe_step(4, 2.0, verified=True)
     assert b.costs[4] == pytest.approx(1.3)  # moving average
     # Unmeasured tiers scale from the largest measured one below by the token ratio.
     assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(2.6)),
                              (16, pytest.approx(5.2))]
     good, bad = _Req([1, 2, 3, 4]), _Req([5, 6, 7, 8])
     for _ in range(10):
-        AdaptiveBudget.observe_verify(good, 4, 4)
-        AdaptiveBudget.observe_verify(bad, 4, 0)
+        b.observe_verify(good, 4, 4)
+        b.observe_verify(bad, 4, 0)
     assert good.spec_acceptance > 0.95 > PRIOR > 0.05 > bad.spec_acceptance
     # Tier 4 holds 2 base tokens + 2 drafts at the same cost: both go to the good request;
     # tier 8 costs twice as much, which the expected gains do not repay.
     assert b.choose([good, bad], 2) == [2, 0]
     assert good.draft_tokens == [1, 2] and bad.draft_tokens == [] and b.last_choice == 2
+    assert not b.coasting
+    # A request never measured starts from the running average over all requests.
+    assert b.estimate(_Req([])) == pytest.approx(b.acceptance)
+
+
+def test_plain_cost_decides_and_zero_choice_coasts():
+    """Verifying pays against a plain step that costs the verify's tier, not against one
+    that overlaps the host's work and costs half; choosing nothing starts coasting."""
+    from replaylm.spec.adaptive import AdaptiveBudget
+
+    b = AdaptiveBudget([1, 2, 4, 8], 2)
+    b.observe_step(2, 1.0, verified=True)
+    b.observe_step(1, 1.0, verified=True)
+    r = _Req([7, 8])
+    r.spec_acceptance = 0.6
+    assert b.choose([r], 1) == [1]  # 1.6 tokens per second against 1
+    b.observe_step(1, 0.5, verified=False)  # plain overlapped steps: 2 tokens per second
+    r.draft_tokens = [7, 8]
+    assert b.choose([r], 1) == [0] and b.coasting and r.draft_tokens == []
+
+
+def test_coasting_learns_from_shadow_proposals_and_ends():
+    from replaylm.spec import adaptive
+    from replaylm.spec.adaptive import AdaptiveBudget
+
+    class Drafter:
+        def __init__(self):
+            self.calls = 0
+
+        def propose(self, reqs, room):
+            self.calls += 1
+            return [[1, 2, 3][:k] for k in room]
+
+    b = AdaptiveBudget([1, 2, 4], 3)
+    b.observe_step(1, 1.0, verified=False)
+    b.observe_step(4, 1.2, verified=True)
+    b.observe_step(1, 1.0, verified=True)
+    r = _Req([], output=[9])
+    r.spec_acceptance = 0.0
+    b.coasting = True
+    d = Drafter()
+    for _ in range(adaptive.SHADOW_EVERY - 1):
+        b.shadow_round(d, [r], [3])
+    assert d.calls == 0 and not b.shadow
+    b.shadow_round(d, [r], [3])
+    assert d.calls == 1 and b.shadow[r] == (1, [1, 2, 3])
+    b.shadow_check(None, [r], 1)  # the guessed tokens are not known yet
+    assert r in b.shadow and b.coasting
+    r.output_token_ids += [1, 2]
+    b.shadow_check(None, [r], 1)
+    assert r in b.shadow
+    r.output_token_ids += [3]  # all three guessed right: acceptance goes up
+    b.shadow_check(None, [r], 1)
+    assert r not in b.shadow and r.spec_acceptance == pytest.approx(0.3)
+    for _ in range(6):  # more right guesses until verifying 3 drafts beats plain decoding
+        if not b.coasting:
+            break
+        for _ in range(adaptive.SHADOW_EVERY):
+            b.shadow_round(d, [r], [3])
+        r.output_token_ids += [1, 2, 3]
+        b.shadow_check(None, [r], 1)
+    assert not b.coasting and not b.shadow
+    # A judge decides for the drafter (a drafter that knows its own drafts' fate).
+    b.coasting = True
+    for _ in range(adaptive.SHADOW_EVERY):
+        b.shadow_round(d, [r], [3])
+    r.output_token_ids += [0, 0, 0]
+    est = r.spec_acceptance
+    b.shadow_check(lambda req, drafts, actual: 3, [r], 1)
+    assert r.spec_acceptance > est

@@ -189,6 +189,34 @@ def test_adaptive_budget_matches_plain(qwen3_dir, mode):
     assert llm.engine.budget.costs  # step costs were measured
 
 
+@pytest.mark.parametrize("mode", ["eager", "ragged"])
+def test_adaptive_coasting_overlaps_plain_steps(qwen3_dir, mode, monkeypatch):
+    """Coasting runs plain steps with overlap (a step left in flight), learns acceptance from
+    shadow proposals, goes back to verifying where n-gram drafts match, and never changes
+    the output."""
+    from replaylm.spec import adaptive
+
+    monkeypatch.setattr(adaptive, "SHADOW_EVERY", 1)
+    expected = _traffic(_engine(qwen3_dir, "eager"), seed=2, n_reqs=8)
+    llm = _engine(qwen3_dir, mode, NGRAM | {"budget": "adaptive"})
+    core = llm.engine
+    assert core._overlap
+    core.budget.coasting = True
+    in_flight = []
+    step = core.step
+
+    def watched():
+        deltas = step()
+        in_flight.append(core._inflight is not None)
+        return deltas
+
+    core.step = watched
+    assert _traffic(llm, seed=2, n_reqs=8) == expected
+    st = llm.spec_stats()
+    assert st["coast_steps"] > 0 and st["verify_steps"] > 0 and any(in_flight)
+    assert core.block_manager.num_used_blocks == 0
+
+
 def test_spec_stats_reach_the_metrics(qwen3_dir):
     pytest.importorskip("prometheus_client")
     from replaylm.server.metrics import ServerMetrics
