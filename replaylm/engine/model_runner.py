@@ -161,7 +161,7 @@ class ModelRunner:
             self.graph_mode, graph_tiers=args.graph_tiers, max_graph_tokens=args.max_graph_tokens,
             max_graphs=args.max_graphs, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            speculative=self.spec is not None)
+            speculative=args.speculative_config is not None)
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // BLOCK_SIZE)
 
