@@ -310,7 +310,7 @@ class EngineCore:
             self._last_end = now if launched is not None else None
             if budget.coasting and budget.shadow:
                 budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
-                                    self._decoding(), self._base_tokens())
+                                    self._generating(), self._base_tokens())
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -386,9 +386,14 @@ class EngineCore:
             self.budget.choose([r for r in reqs if r.draft_tokens], self._base_tokens())
             self.spec_stats.budget_tokens += self.budget.last_choice  # type: ignore[union-attr]
 
+    def _generating(self) -> list[Request]:
+        """Running requests with output tokens (with a step in flight, a decoding request's
+        next token is pending: ``_decoding`` does not list it)."""
+        return [r for r in self.scheduler.running if r.num_output_tokens]
+
     def _shadow_round(self) -> None:
         """Coasting (``spec.adaptive``): shadow proposals that learn acceptance unverified."""
-        reqs = [r for r in self.scheduler.running if r.num_output_tokens]
+        reqs = self._generating()
         t0 = time.perf_counter()
         self.budget.shadow_round(self.drafter, reqs, self._draft_room(reqs))  # type: ignore[union-attr]
         self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]

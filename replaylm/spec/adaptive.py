@@ -31,8 +31,8 @@ from replaylm.spec.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
 WEIGHT = 0.3  # weight of the newest observation in the moving averages
-SHADOW_EVERY = 8  # coasting: steps between rounds of shadow proposals
-SHADOW_REQUESTS = 16  # coasting: most requests given a shadow proposal per round
+SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
+SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
 
 
 def eager_tiers(max_tokens: int) -> list[int]:

@@ -202,18 +202,21 @@ def test_adaptive_coasting_overlaps_plain_steps(qwen3_dir, mode, monkeypatch):
     core = llm.engine
     assert core._overlap
     core.budget.coasting = True
-    in_flight = []
+    in_flight, coasting = [], [True]
     step = core.step
 
     def watched():
         deltas = step()
         in_flight.append(core._inflight is not None)
+        coasting.append(core.budget.coasting)
         return deltas
 
     core.step = watched
     assert _traffic(llm, seed=2, n_reqs=8) == expected
     st = llm.spec_stats()
     assert st["coast_steps"] > 0 and st["verify_steps"] > 0 and any(in_flight)
+    # Shadow proposals ended a coasting stretch (the n-gram drafts of repeated spans match).
+    assert any(a and not b for a, b in zip(coasting, coasting[1:]))
     assert core.block_manager.num_used_blocks == 0
 
 
