@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -95,8 +97,6 @@ def test_settings_and_shapes_are_validated(qwen3):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 "
                                          "attention heads"):
         check_tensor_parallel(cfg, 3)
-    import dataclasses
-
     with pytest.raises(ValueError, match="tensor_parallel_size=4 is not a multiple of the "
                                          "model's 3 KV heads"):
         check_tensor_parallel(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 4)
@@ -290,8 +290,6 @@ def test_moe_expert_widths_must_divide(moe, tmp_path):
     local = shard_config(cfg, 2)
     assert local.moe_intermediate_size == cfg.moe_intermediate_size // 2
     assert local.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size // 2
-    import dataclasses
-
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's "
                                          "moe_intermediate_size 33"):
         check_tensor_parallel(dataclasses.replace(cfg, moe_intermediate_size=33), 2)
@@ -372,3 +370,63 @@ def test_moe_tp2_matches_tp1(moe_checkpoints, moe_tp1_tokens, kind, mode):
             g = llm.graph_stats()
             assert sum(g["hits"].values()) >= 5 and g["checks"] >= 5
             assert g["fallbacks"]
+
+
+class _ThreadGroup:
+    """An in-process all-reduce between threads (one a rank) that counts each rank's calls."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size)
+        self.parts: list = [None] * size
+        self.calls = [0] * size
+
+    def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        self.calls[rank] += 1
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        total = sum(self.parts)  # the same order on every rank
+        self.barrier.wait()
+        return x.copy_(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreadTP(TensorParallel):
+    threads: _ThreadGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.threads.all_reduce(self.rank, x)
+
+
+def test_an_moe_layer_all_reduces_once_after_both_branches(moe):
+    """A sparse layer's "after" part on two ranks calls two all-reduces (o_proj, then the
+    whole MoE block: routed + gated shared partial sums), and their output is the
+    unsharded layer's."""
+    _, path = moe
+    cfg, _ = load_model_config(str(path))
+    cpu = torch.device("cpu")
+    full = load_model(cfg, path, "auto", torch.float32, cpu, 0)
+    threads = _ThreadGroup(2)
+    ranks = [load_model(shard_config(cfg, 2), path, "auto", torch.float32, cpu, 0,
+                        _ThreadTP(r, 2, None, cfg.num_kv_heads, threads), cfg) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    attn = torch.randn(5, cfg.num_heads, cfg.head_dim, generator=g)
+    residual = torch.randn(5, cfg.hidden_size, generator=g)
+    heads = cfg.num_heads // 2
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    with torch.inference_mode():
+        want, _ = full.layers[layer].after(attn, residual.clone())
+        got: list = [None, None]
+
+        def run(r: int) -> None:
+            with torch.inference_mode():
+                got[r], _ = ranks[r].layers[layer].after(
+                    attn[:, r * heads:(r + 1) * heads].contiguous(), residual.clone())
+
+        workers = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+    assert threads.calls == [2, 2]
+    for out in got:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
