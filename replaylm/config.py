@@ -76,8 +76,8 @@ _HELP: dict[str, str] = {
     "data_parallel_size": "data-parallel ranks: one worker process per rank, each with its "
     "own engine (scheduler, KV pool, graphs); every step the ranks agree on one graph tier",
     "tensor_parallel_size": "tensor-parallel ranks: one worker process (one GPU) per rank, "
-    "each holding its slice of the attention heads, the MLP and the vocabulary; with "
-    "data_parallel_size M, M groups of N ranks",
+    "each holding its slice of the attention heads, the MLP (MoE: of every expert) and the "
+    "vocabulary; with data_parallel_size M, M groups of N ranks",
     "distributed_timeout_s": "seconds the driver waits for a worker (start-up and every "
     "step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "

@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One decoder layer; with ``tp`` its ``cfg`` holds one rank's heads and MLP width
-    (``model.parallel``) and the row-parallel o_proj and down_proj outputs are all-reduced."""
+    (``model.parallel``) and the row-parallel o_proj and down_proj outputs are all-reduced
+    (a sparse layer's whole MoE block once, after its routed and shared branches join)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -100,7 +101,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             normed, residual = k.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
                                               self.cfg.rms_norm_eps)
-            return self.moe(normed, self.kernels), residual
+            out = self.moe(normed, self.kernels)  # this rank's routed + shared partial sum
+            return (out if self.tp is None else self.tp.all_reduce(out)), residual
         gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
                                           self.cfg.rms_norm_eps, self.gate_up_proj.weight,
                                           self.gate_up_proj.bias)

@@ -184,7 +184,7 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
             dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
         expected = tuple(dst.shape)
         if full_shapes is not None:
-            expected = full_shapes[pname]
+            expected = full_shapes[pname][1:] if expert is not None else full_shapes[pname]
             if shard is not None:
                 expected = (shard_sizes(full_cfg, _packed(pname))[shard], *expected[1:])
         shape = _shape_of(tensor)
@@ -198,7 +198,7 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
         if tp is None:
             dst.copy_(_read(tensor))
         else:
-            _load_rank_part(dst, tensor, pname, shard, tp, full_cfg, cfg)
+            _load_rank_part(dst, tensor, pname, shard, expert is None, tp, full_cfg, cfg)
         pending[pname] = {(e, s) for e, s in pending[pname]
                           if not ((expert is None or e == expert) and (shard is None or s == shard))}
     missing = sorted(n for n, left in pending.items() if left)
@@ -222,32 +222,53 @@ def _read(tensor: Any, dim: int = 0, start: int = 0, size: int | None = None) ->
     return tensor[tuple(index)]
 
 
+Part = tuple[int, int, int]  # (dim, start, size) of a checkpoint tensor
+
+
 def tp_slice(pname: str, shard: int | None, tp: TensorParallel, full: ModelConfig,
-             local: ModelConfig) -> tuple[int, int, int] | str | None:
+             local: ModelConfig, stacked: bool = False) -> list[Part] | str | None:
     """Which part of a checkpoint tensor a tensor-parallel rank loads into ``pname`` (its
-    ``shard``): ``(dim, start, size)``, ``"rank0"`` for a row-parallel bias (rank 0 holds it,
-    the others zeros), or None when every rank holds all of it."""
+    ``shard``): the ``(dim, start, size)`` pieces that, concatenated in order along their
+    dim, make the rank's part; ``"rank0"`` for a row-parallel bias (rank 0 holds it, the
+    others zeros); or None when every rank holds all of it (norms, the MoE router and the
+    shared expert's gate). A routed expert's tensor is one expert's (``[I, H]`` / ``[H, I]``)
+    or, ``stacked``, every expert's (``[E, 2I, H]`` / ``[E, H, I]``: the rank's gate and up
+    rows are two pieces)."""
     parts = pname.split(".")
     module, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
     if pname in ("embed_tokens.weight", "lm_head.weight"):
         rows = tp.vocab_rows(full.vocab_size)
         start = tp.rank * rows
-        return 0, start, max(0, min(rows, full.vocab_size - start))
+        return [(0, start, max(0, min(rows, full.vocab_size - start)))]
     if module == "qkv_proj":
         if shard == 0:
-            return 0, tp.rank * local.q_size, local.q_size
-        return 0, tp.kv_head_start() * full.head_dim, local.kv_size
-    if module == "gate_up_proj":
-        return 0, tp.rank * local.intermediate_size, local.intermediate_size
-    if module in ("o_proj", "down_proj"):
-        width = local.q_size if module == "o_proj" else local.intermediate_size
-        return (1, tp.rank * width, width) if leaf == "weight" else "rank0"
+            return [(0, tp.rank * local.q_size, local.q_size)]
+        return [(0, tp.kv_head_start() * full.head_dim, local.kv_size)]
+    column = {"gate_up_proj": (local.intermediate_size, full.intermediate_size),
+              "shared_gate_up": (local.shared_expert_intermediate_size,
+                                 full.shared_expert_intermediate_size),
+              "experts_gate_up": (local.moe_intermediate_size, full.moe_intermediate_size)}
+    packed = module if module in column else leaf
+    if packed in column:  # column-parallel gate | up: this rank's rows of each
+        width, whole = column[packed]
+        dim = 1 if stacked and leaf.startswith("experts_") else 0
+        if shard is not None:  # gate or up alone
+            return [(dim, tp.rank * width, width)]
+        return [(dim, s * whole + tp.rank * width, width) for s in (0, 1)]  # gate | up
+    row = {"o_proj": local.q_size, "down_proj": local.intermediate_size,
+           "shared_down": local.shared_expert_intermediate_size,
+           "experts_down": local.moe_intermediate_size}
+    if module in row:  # row-parallel: this rank's columns; the bias on rank 0
+        return [(1, tp.rank * row[module], row[module])] if leaf == "weight" else "rank0"
+    if leaf == "experts_down":
+        return [(2 if stacked else 1, tp.rank * row[leaf], row[leaf])]
     return None
 
 
 def _load_rank_part(dst: torch.Tensor, tensor: Any, pname: str, shard: int | None,
-                    tp: TensorParallel, full: ModelConfig, local: ModelConfig) -> None:
-    part = tp_slice(pname, shard, tp, full, local)
+                    stacked: bool, tp: TensorParallel, full: ModelConfig,
+                    local: ModelConfig) -> None:
+    part = tp_slice(pname, shard, tp, full, local, stacked)
     if part is None:
         dst.copy_(_read(tensor))
     elif part == "rank0":
@@ -256,10 +277,11 @@ def _load_rank_part(dst: torch.Tensor, tensor: Any, pname: str, shard: int | Non
         else:
             dst.zero_()
     else:
-        dim, start, size = part
-        if dst.shape[dim] != size:  # the last vocabulary slice: fewer rows than the padding
-            dst = dst.narrow(dim, 0, size)
-        dst.copy_(_read(tensor, dim, start, size))
+        offset = 0
+        for dim, start, size in part:
+            # narrow: the last vocabulary slice has fewer rows than the padding
+            dst.narrow(dim, offset, size).copy_(_read(tensor, dim, start, size))
+            offset += size
 
 
 def _pieces(cfg: ModelConfig, pname: str, p: torch.Tensor) -> set[tuple[int | None, int | None]]:

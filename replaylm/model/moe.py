@@ -14,6 +14,12 @@ the replayed graph runs the two branches side by side. All layers share the mode
 side stream (``CausalLM.use_side_stream``): a capture adds one stream, not one per layer.
 Outside capture everything runs in order on the current stream, with the same kernels and
 so the same bits.
+
+Under tensor parallelism ``cfg`` is one rank's shard (``model.parallel.shard_config``): each
+expert holds ``moe_intermediate_size / N`` rows of gate and up and as many columns of down,
+the shared expert likewise, and the router and the shared expert's gate are whole, so every
+rank routes every token alike. The block's output is then this rank's partial sum (routed
+plus gated shared); ``DecoderLayer.after`` all-reduces it once, after the join.
 """
 
 from __future__ import annotations

@@ -6,6 +6,12 @@ With ``tensor_parallel_size`` N each rank holds:
   heads than ranks, N must be a multiple of them and each rank holds one KV head, shared with
   the ranks whose query heads read it): the fused qkv projection is column-parallel;
 - ``intermediate_size / N`` of the MLP (gate | up column-parallel, down row-parallel);
+- in MoE layers, ``moe_intermediate_size / N`` of every routed expert's FFN and
+  ``shared_expert_intermediate_size / N`` of the shared expert's, split the same way; the
+  router and the shared expert's sigmoid gate are replicated, so every rank routes every
+  token to the same experts. Each rank adds its routed and gated shared partial sums and one
+  all-reduce per MoE layer completes the block (``sigmoid(g) * shared`` is linear in the
+  shared expert's partial sums);
 - o_proj and down_proj row-parallel, summed by an all-reduce (their biases live on rank 0);
 - ``ceil(vocab_size / N)`` rows of the embedding and of the LM head (the vocabulary padding
   rule: the last rank's rows past the vocabulary are zero); a lookup reads its own rows and
@@ -83,9 +89,6 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     if size == 1:
         return
     field = f"EngineArgs.tensor_parallel_size={size}"
-    if cfg.num_experts:
-        raise ValueError(f"{field} is not supported for MoE models ({cfg.architecture}): "
-                         "run them with tensor_parallel_size=1 (data_parallel_size may be > 1)")
     if cfg.num_heads % size:
         raise ValueError(f"{field} does not divide the model's {cfg.num_heads} attention heads")
     kv = cfg.num_kv_heads
@@ -95,9 +98,19 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"{field} is not a multiple of the model's {kv} KV heads (with fewer "
                          "KV heads than ranks, each KV head is replicated on size / KV heads "
                          "ranks)")
-    if cfg.intermediate_size % size:
-        raise ValueError(f"{field} does not divide the model's intermediate_size "
-                         f"{cfg.intermediate_size}")
+    sizes = {"moe_intermediate_size": cfg.moe_intermediate_size,
+             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+    if _has_dense_mlp(cfg):
+        sizes = {"intermediate_size": cfg.intermediate_size} | sizes
+    for name, width in sizes.items():
+        if width % size:
+            raise ValueError(f"{field} does not divide the model's {name} {width}")
+
+
+def _has_dense_mlp(cfg: ModelConfig) -> bool:
+    """Whether any layer has a dense MLP (an MoE model whose layers are all sparse never
+    uses ``intermediate_size``)."""
+    return not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -106,6 +119,8 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     check_tensor_parallel(cfg, size)
     if size == 1:
         return cfg
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
-                               num_kv_heads=max(1, cfg.num_kv_heads // size),
-                               intermediate_size=cfg.intermediate_size // size)
+    return dataclasses.replace(
+        cfg, num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size),
+        intermediate_size=cfg.intermediate_size // size,  # unused without dense layers
+        moe_intermediate_size=cfg.moe_intermediate_size // size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size)

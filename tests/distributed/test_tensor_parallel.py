@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -48,6 +51,25 @@ def qwen3(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "qwen3", num_key_value_heads=1)
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory) -> dict:
+    """Qwen2-MoE: experts of 32 (16 a rank), a shared expert of 80 (40), a dense layer;
+    Qwen3-MoE: experts of 48 (24 a rank, not a multiple of 16), no shared expert."""
+    return {kind: _checkpoint(tmp_path_factory, kind) for kind in ("qwen2_moe", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def moe_tp1_tokens(moe_checkpoints) -> dict:
+    """TP=1's greedy tokens on each (eager: the graph tests check that graphs follow eager)."""
+    return {kind: _tokens(LLM(str(path), **_kw("eager")))
+            for kind, path in moe_checkpoints.items()}
+
+
+@pytest.fixture(params=["qwen2_moe", "qwen3_moe"])
+def moe(request, moe_checkpoints):
+    return request.param, moe_checkpoints[request.param]
+
+
 def _kw(mode: str) -> dict:
     kw = dict(num_kv_blocks=40, max_num_seqs=6, max_num_batched_tokens=40, max_model_len=128,
               max_graph_tokens=16, skip_tokenizer_init=True, attention_backend="torch_dense",
@@ -75,8 +97,6 @@ def test_settings_and_shapes_are_validated(qwen3):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 "
                                          "attention heads"):
         check_tensor_parallel(cfg, 3)
-    import dataclasses
-
     with pytest.raises(ValueError, match="tensor_parallel_size=4 is not a multiple of the "
                                          "model's 3 KV heads"):
         check_tensor_parallel(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 4)
@@ -86,8 +106,6 @@ def test_settings_and_shapes_are_validated(qwen3):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's "
                                          "intermediate_size 97"):
         check_tensor_parallel(dataclasses.replace(cfg, intermediate_size=97), 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported for MoE"):
-        check_tensor_parallel(dataclasses.replace(cfg, num_experts=4), 2)
     # The driver refuses before it starts any process.
     before = set(multiprocessing.active_children())
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
@@ -261,3 +279,154 @@ def test_one_rank_calls_no_collective(qwen3, monkeypatch):
     assert llm.engine.runner.model.tp is None and llm.engine.runner.broadcast is None
     assert len(_tokens(llm, PROMPTS[:3])) == 3
     assert sum(llm.graph_stats()["hits"].values()) > 0
+
+
+# Mixture of experts ---------------------------------------------------------------------------
+
+
+def test_moe_expert_widths_must_divide(moe, tmp_path):
+    kind, path = moe
+    cfg, _ = load_model_config(str(path))
+    local = shard_config(cfg, 2)
+    assert local.moe_intermediate_size == cfg.moe_intermediate_size // 2
+    assert local.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size // 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's "
+                                         "moe_intermediate_size 33"):
+        check_tensor_parallel(dataclasses.replace(cfg, moe_intermediate_size=33), 2)
+    if kind == "qwen2_moe":  # layer 1 is dense: intermediate_size must divide too
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the "
+                                             "model's shared_expert_intermediate_size 81"):
+            check_tensor_parallel(dataclasses.replace(cfg, shared_expert_intermediate_size=81), 2)
+        with pytest.raises(ValueError, match="does not divide the model's intermediate_size 97"):
+            check_tensor_parallel(dataclasses.replace(cfg, intermediate_size=97), 2)
+    else:  # every layer sparse: the dense width is never used, so it need not divide
+        check_tensor_parallel(dataclasses.replace(cfg, intermediate_size=97), 2)
+    # The driver refuses from config.json alone, before it starts any process.
+    hf = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"moe_intermediate_size": 17}))
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's "
+                                         "moe_intermediate_size 17"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **_kw("eager"))
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_moe_ranks_read_their_expert_slices_and_the_shards_make_the_model(moe):
+    """Each rank reads half of every routed and shared expert tensor (gate and up rows, down
+    columns), the whole router and shared-expert gate; the shards join into the model."""
+    _, path = moe
+    cfg, _ = load_model_config(str(path))
+    files = checkpoint_files(path)
+    full = dict(load_model(cfg, path, "auto", torch.float32, torch.device("cpu"), 0)
+                .named_parameters())
+    shape = {n: s.get_shape() for n, s in iter_checkpoint_slices(files)}
+    shards = []
+    for rank in range(2):
+        reads: dict = {}
+        model = build_empty(shard_config(cfg, 2), torch.float32, torch.device("cpu"),
+                            TensorParallel(rank, 2, None, cfg.num_kv_heads))
+        load_weights(model, ((n, _SpySlice(n, s, reads))
+                             for n, s in iter_checkpoint_slices(files)), cfg)
+        shards.append(dict(model.named_parameters()))
+        for name, indices in reads.items():
+            if ".mlp.experts." in name or ".mlp.shared_expert." in name:
+                assert len(indices) == 1, name
+                read = [len(range(*i.indices(d))) for i, d in zip(indices[0], shape[name])]
+                assert 2 * math.prod(read) == math.prod(shape[name]), (name, read)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                assert len(indices) == 1 and indices[0] == (slice(None),) * 2, name
+    local = shard_config(cfg, 2)
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        p = f"layers.{i}.moe."
+        packed = [("experts_gate_up", local.moe_intermediate_size, 1)]
+        if local.shared_expert_intermediate_size:
+            packed.append(("shared_gate_up.weight", local.shared_expert_intermediate_size, 0))
+        for name, width, dim in packed:  # [gate_0 | up_0], [gate_1 | up_1] -> [gate | up]
+            gate = torch.cat([s[p + name].narrow(dim, 0, width) for s in shards], dim)
+            up = torch.cat([s[p + name].narrow(dim, width, width) for s in shards], dim)
+            assert torch.equal(torch.cat([gate, up], dim), full[p + name])
+        assert torch.equal(torch.cat([s[p + "experts_down"] for s in shards], 2),
+                           full[p + "experts_down"])
+        assert torch.equal(shards[1][p + "gate.weight"], full[p + "gate.weight"])
+        if local.shared_expert_intermediate_size:
+            assert torch.equal(torch.cat([s[p + "shared_down.weight"] for s in shards], 1),
+                               full[p + "shared_down.weight"])
+            assert torch.equal(shards[1][p + "shared_expert_gate.weight"],
+                               full[p + "shared_expert_gate.weight"])
+
+
+@pytest.mark.parametrize("kind,mode", [("qwen2_moe", "eager"), ("qwen2_moe", "ragged"),
+                                       ("qwen3_moe", "ragged")])
+def test_moe_tp2_matches_tp1(moe_checkpoints, moe_tp1_tokens, kind, mode):
+    """Sharded experts, the router replicated, one all-reduce per MoE layer: TP=2 follows
+    TP=1's greedy tokens, eager and through the graph stand-in (checks, poisoned padding;
+    the prefill chunks above the top tier run eagerly, so the ragged runs cover eager steps
+    too)."""
+    with LLM(str(moe_checkpoints[kind]), tensor_parallel_size=2, **_kw(mode)) as llm:
+        assert _tokens(llm) == moe_tp1_tokens[kind]
+        if mode != "eager":
+            g = llm.graph_stats()
+            assert sum(g["hits"].values()) >= 5 and g["checks"] >= 5
+            assert g["fallbacks"]
+
+
+class _ThreadGroup:
+    """An in-process all-reduce between threads (one a rank) that counts each rank's calls."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size)
+        self.parts: list = [None] * size
+        self.calls = [0] * size
+
+    def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        self.calls[rank] += 1
+        self.parts[rank] = x.clone()
+        self.barrier.wait()
+        total = sum(self.parts)  # the same order on every rank
+        self.barrier.wait()
+        return x.copy_(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreadTP(TensorParallel):
+    threads: _ThreadGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.threads.all_reduce(self.rank, x)
+
+
+def test_an_moe_layer_all_reduces_once_after_both_branches(moe):
+    """A sparse layer's "after" part on two ranks calls two all-reduces (o_proj, then the
+    whole MoE block: routed + gated shared partial sums), and their output is the
+    unsharded layer's."""
+    _, path = moe
+    cfg, _ = load_model_config(str(path))
+    cpu = torch.device("cpu")
+    full = load_model(cfg, path, "auto", torch.float32, cpu, 0)
+    threads = _ThreadGroup(2)
+    ranks = [load_model(shard_config(cfg, 2), path, "auto", torch.float32, cpu, 0,
+                        _ThreadTP(r, 2, None, cfg.num_kv_heads, threads), cfg) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    attn = torch.randn(5, cfg.num_heads, cfg.head_dim, generator=g)
+    residual = torch.randn(5, cfg.hidden_size, generator=g)
+    heads = cfg.num_heads // 2
+    layer = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    with torch.inference_mode():
+        want, _ = full.layers[layer].after(attn, residual.clone())
+        got: list = [None, None]
+
+        def run(r: int) -> None:
+            with torch.inference_mode():
+                got[r], _ = ranks[r].layers[layer].after(
+                    attn[:, r * heads:(r + 1) * heads].contiguous(), residual.clone())
+
+        workers = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+    assert threads.calls == [2, 2]
+    for out in got:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
