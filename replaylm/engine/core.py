@@ -227,7 +227,12 @@ class EngineCore:
         return self.runner.dtype
 
     def graph_stats(self) -> dict:
-        return self.runner.graphs.stats.as_dict()
+        """The graph runtime's statistics; under tensor parallel also ``all_reduce``, how the
+        group sums (``model.allreduce``: the setting, the plan, the measured latencies)."""
+        stats = self.runner.graphs.stats.as_dict()
+        if self.runner.all_reduce is not None:
+            stats["all_reduce"] = self.runner.all_reduce
+        return stats
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
