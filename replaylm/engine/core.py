@@ -230,8 +230,8 @@ class EngineCore:
         """The graph runtime's statistics; under tensor parallel also ``all_reduce``, how the
         group sums (``model.allreduce``: the setting, the plan, the measured latencies)."""
         stats = self.runner.graphs.stats.as_dict()
-        if self.runner.all_reduce is not None:
-            stats["all_reduce"] = self.runner.all_reduce
+        if self.runner.all_reduce_report is not None:
+            stats["all_reduce"] = self.runner.all_reduce_report
         return stats
 
     def has_unfinished(self) -> bool:

@@ -132,7 +132,7 @@ class ModelRunner:
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         self._load(model_dir)
-        self.all_reduce = self._configure_all_reduce()
+        self.all_reduce_report = self._configure_all_reduce()
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
                                    max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()

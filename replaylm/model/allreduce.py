@@ -191,8 +191,9 @@ class AllReducer:
             symm_mem.rendezvous(self.buffer, group.group_name)
             self.group_name = group.group_name
             why = self._check_sums(group)
-        except RuntimeError as e:
-            why = f"symmetric memory set-up failed ({str(e).splitlines()[0]})"
+        except Exception as e:  # a probe: whatever torch or the driver refuses, NCCL runs
+            why = f"symmetric memory set-up failed ({type(e).__name__}: " \
+                  f"{(str(e).splitlines() or [''])[0]})"
         failed = torch.tensor([int(why is not None)], dtype=torch.int64)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # CPU: gloo
         if failed.item() and why is None:
