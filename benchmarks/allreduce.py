@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=5, help="timed replays (the best counts)")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
     ap.add_argument("--json", default=None, help="write the rows and reports here")
-    return ap.parse_args(argv)
+    ns = ap.parse_args(argv)
+    if ns.gpus < 2:
+        ap.error("--gpus must be at least 2 (an all-reduce needs peers)")
+    return ns
 
 
 def run(ns: argparse.Namespace) -> dict:
