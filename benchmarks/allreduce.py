@@ -5,8 +5,7 @@ picks on this machine.
 One process per GPU (torch.multiprocessing). For each hidden size and token count the message
 is ``tokens × hidden`` elements of ``--dtype``. Each algorithm is first checked against NCCL's
 sum of the same random tensors, eagerly and replayed from a captured graph, for a fresh tensor
-and for one that starts inside a larger allocation (the two ways ``symm_all_reduce`` stages
-its input); then ``--calls`` calls are captured in one graph and replayed, best of
+and for one that starts inside a larger allocation; then ``--calls`` calls are captured in one graph and replayed, best of
 ``--trials``, the ranks' largest time counting (``replaylm.model.allreduce.graph_latency_us``:
 launch overhead is out, as inside a decode graph). The ``engine`` column is the algorithm the
 engine's plan (``AllReducer.configure('auto')``, measured at its own buckets) gives that

@@ -245,21 +245,20 @@ def symm_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str, algo
     """Sum ``x`` (contiguous, 16-byte aligned, at most ``buffer``'s size, its dtype) across
     the group through the rendezvoused symmetric ``buffer``, in place; returns ``x``.
 
-    ``x`` is staged into the head of the buffer (the ops read peers' buffers, never ``x``
-    itself) and the kernel writes the sum into ``x``. Each kernel ends with a barrier across
-    the ranks, so the next call's staging cannot overwrite a buffer a peer still reads."""
+    ``x`` is copied into the head of the buffer by its own kernel (the ops read peers'
+    buffers, never ``x`` itself), so the whole copy has finished before the all-reduce
+    kernel's opening barrier tells the peers to read; the kernel writes the sum into ``x``.
+    (``one_shot_all_reduce_copy_out`` would save that launch, but its kernel signals the
+    peers without a block-wide ``__syncthreads`` after its copy, so a peer may read a
+    slot another thread of the block has not written yet.) Each kernel ends with a barrier across
+    the ranks, so the next call's copy cannot overwrite a buffer a peer still reads."""
     flat = x.view(-1)
     staged = buffer[: flat.numel()]  # offset 0: the alignment the kernels check
+    staged.copy_(flat)
     ops = torch.ops.symm_mem
     if algo == ONE_SHOT:
-        if x.storage_offset() == 0 and hasattr(ops, "one_shot_all_reduce_copy_out"):
-            # The kernel stages x itself; each thread then overwrites only what it read.
-            ops.one_shot_all_reduce_copy_out(staged, flat, "sum", group_name, flat)
-        else:
-            staged.copy_(flat)
-            ops.one_shot_all_reduce_out(staged, "sum", group_name, flat)
+        ops.one_shot_all_reduce_out(staged, "sum", group_name, flat)
     elif algo == TWO_SHOT:
-        staged.copy_(flat)
         if hasattr(ops, "two_shot_all_reduce_out"):
             ops.two_shot_all_reduce_out(staged, "sum", group_name, flat)
         else:
