@@ -32,7 +32,6 @@ calls guarantees. Multicast (``multimem``) ops are not used.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,10 +39,7 @@ import torch.distributed as dist
 
 from replaylm.capture import gc_paused
 
-log = logging.getLogger(__name__)
-
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
-SYMM_MEM_ALGORITHMS = (ONE_SHOT, TWO_SHOT)
 #: Decode-sized messages measured at start-up, in rows of the hidden size; the largest is the
 #: symmetric buffer's size and the largest message symmetric memory carries.
 MEASURED_TOKENS = (1, 8, 64, 256)
