@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")
 PDL_SETTINGS = ("auto", "on", "off")
+ALL_REDUCE_BACKENDS = ("auto", "nccl", "symm_mem")
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
@@ -78,6 +79,12 @@ _HELP: dict[str, str] = {
     "tensor_parallel_size": "tensor-parallel ranks: one worker process (one GPU) per rank, "
     "each holding its slice of the attention heads, the MLP (MoE: of every expert) and the "
     "vocabulary; with data_parallel_size M, M groups of N ranks",
+    "all_reduce_backend": "how tensor-parallel ranks sum their partial results: nccl = "
+    "torch.distributed's all-reduce (gloo on CPU); symm_mem = torch's symmetric-memory "
+    "all-reduce (one-shot or two-shot, the faster measured at start-up per size) for messages "
+    "up to 256 tokens x hidden size, NCCL above (CUDA, bfloat16 or float32); auto = measure "
+    "NCCL and symmetric memory on decode-sized messages at start-up and use the fastest per "
+    "size (NCCL or gloo where symmetric memory is unavailable); the choice is in graph_stats()",
     "distributed_timeout_s": "seconds the driver waits for a worker (start-up and every "
     "step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
@@ -128,6 +135,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    all_reduce_backend: str = "auto"
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -159,6 +167,7 @@ class EngineArgs:
                 self.distributed_timeout_s, int | float) or not self.distributed_timeout_s > 0:
             raise ValueError(f"EngineArgs.distributed_timeout_s={self.distributed_timeout_s!r} "
                              "is invalid: must be a number of seconds > 0")
+        _check_all_reduce_backend(self)
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("EngineArgs.speculative_config is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size} (> 1)")
@@ -201,7 +210,8 @@ class EngineArgs:
             kind = _cli_type(f.type)
             choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                        "attention_backend": ATTENTION_BACKENDS, "pdl": PDL_SETTINGS,
-                       "cuda_graph_mode": GRAPH_MODES}.get(f.name)
+                       "cuda_graph_mode": GRAPH_MODES,
+                       "all_reduce_backend": ALL_REDUCE_BACKENDS}.get(f.name)
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=f"{help_} (default: {default})")
         return parser
@@ -239,6 +249,22 @@ def _cli_type(annotation: Any) -> Any:
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"EngineArgs.{name}={value!r} is invalid: choose one of {list(options)}")
+
+
+def _check_all_reduce_backend(args: EngineArgs) -> None:
+    """``symm_mem`` where the settings alone show it cannot work (the rest is checked at
+    start-up, ``model.allreduce``)."""
+    _choice("all_reduce_backend", args.all_reduce_backend, ALL_REDUCE_BACKENDS)
+    if args.all_reduce_backend != "symm_mem":
+        return
+    field = "EngineArgs.all_reduce_backend='symm_mem'"
+    if args.tensor_parallel_size == 1:
+        raise ValueError(f"{field} needs tensor_parallel_size > 1 (one rank does no all-reduce)")
+    if args.device == "cpu":
+        raise ValueError(f"{field} needs CUDA (device='cpu' runs the all-reduce on gloo)")
+    if args.dtype == "float16":
+        raise ValueError(f"{field} needs dtype bfloat16 or float32 (torch's symmetric-memory "
+                         "all-reduce has no float16 kernels)")
 
 
 def _non_negative(name: str, value: int) -> None:

@@ -122,6 +122,9 @@ def each_engine(base: EngineArgs, modes: list[str | None], log: Log = print
         log(f"[bench] mode={llm.graph_mode} engine ready in {ready:.1f} s on {llm.device}; "
             f"captured {g['num_graphs']} graphs in {g['capture_seconds']} s, "
             f"{g['graph_mib']} MiB; kernel tuning {_tune_seconds(llm.engine):.1f} s")
+        if "all_reduce" in g:
+            log(f"[bench] tensor-parallel all-reduce ({g['all_reduce']['setting']}): "
+                f"{g['all_reduce']['summary']}; {g['all_reduce']['reason']}")
         yield llm, ready
         del llm
         release_memory()

@@ -232,7 +232,12 @@ class EngineCore:
         return self.runner.dtype
 
     def graph_stats(self) -> dict:
-        return self.runner.graphs.stats.as_dict()
+        """The graph runtime's statistics; under tensor parallel also ``all_reduce``, how the
+        group sums (``model.allreduce``: the setting, the plan, the measured latencies)."""
+        stats = self.runner.graphs.stats.as_dict()
+        if self.runner.all_reduce_report is not None:
+            stats["all_reduce"] = self.runner.all_reduce_report
+        return stats
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None

@@ -132,6 +132,7 @@ class ModelRunner:
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         self._load(model_dir)
+        self.all_reduce_report = self._configure_all_reduce()
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
                                    max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()
@@ -180,6 +181,21 @@ class ModelRunner:
         self.model.rope_in_attention_max_reqs = (
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
+
+    def _configure_all_reduce(self) -> dict | None:
+        """Under tensor parallel, decide how the group sums (``EngineArgs.all_reduce_backend``,
+        ``model.allreduce``: measured now, before KV sizing and capture); the report, or None
+        without a group."""
+        tp = self.tp
+        if tp is None or tp.size == 1 or tp.group is None:
+            return None
+        report = tp.reducer.configure(self.args.all_reduce_backend, tp.group,
+                                      self.cfg.hidden_size, self.dtype, self.device)
+        if tp.rank == 0:
+            log.info("tensor-parallel all-reduce (%s): %s; %s; latency (us) by tokens: %s",
+                     report["setting"], report["summary"], report["reason"],
+                     report["latency_us"] or "not measured")
+        return report
 
     def _start_graphs(self) -> None:
         """Bind the model to its KV pool, build the graph runtime and capture its graphs."""

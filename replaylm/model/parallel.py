@@ -19,18 +19,20 @@ With ``tensor_parallel_size`` N each rank holds:
   holds the full logits and samples the same tokens.
 
 Every collective goes through :func:`all_reduce` and :func:`all_gather` below (torch.distributed:
-gloo on CPU, NCCL on CUDA, inside captured graphs); a model with no ``TensorParallel`` calls
-none of them.
+gloo on CPU, NCCL on CUDA, inside captured graphs) or ``TensorParallel.all_reduce``, whose
+``reducer`` may run a message on torch's symmetric memory instead (``model.allreduce``,
+``EngineArgs.all_reduce_backend``); a model with no ``TensorParallel`` calls none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from replaylm.model.allreduce import AllReducer
 from replaylm.model.config import ModelConfig
 
 # torch >= 2.13 names it all_gather_single; earlier releases all_gather_into_tensor.
@@ -58,9 +60,12 @@ class TensorParallel:
     size: int
     group: dist.ProcessGroup | None = None
     num_kv_heads: int = 0  # the model's KV heads (all ranks), for the replicated layout
+    # How all_reduce sums: torch.distributed until the runner configures it (after loading).
+    reducer: AllReducer = field(default_factory=AllReducer, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(x, self.group)
+        """Sum ``x`` across the group's ranks, in place (the reducer's plan); returns ``x``."""
+        return self.reducer(x, self.group)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return all_gather(x, self.size, self.group)

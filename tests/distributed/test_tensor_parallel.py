@@ -244,6 +244,9 @@ def test_ragged_tp2_matches_tp1_through_the_graph_stand_in(qwen3):
         g = llm.graph_stats()
         assert sum(g["hits"].values()) >= 5 and g["checks"] >= 5
         assert g["fallbacks"]  # the long prompt's chunks ran eagerly
+        # all_reduce_backend auto on CPU: gloo, and why (each rank decided the same).
+        assert g["all_reduce"]["summary"] == "gloo for every size"
+        assert "symmetric memory needs CUDA tensors" in g["all_reduce"]["reason"]
 
 
 def test_tp2_by_dp2_matches_tp1_and_an_idle_group_replays_the_agreed_tier(llama):

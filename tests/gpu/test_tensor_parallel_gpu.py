@@ -41,21 +41,29 @@ def moe(request, tmp_path_factory):
     return request.param, path
 
 
-def _outputs(path, mode: str, tp: int, prompts=PROMPTS):
+def _outputs(path, mode: str, tp: int, prompts=PROMPTS, **extra):
     kw = dict(num_kv_blocks=128, max_model_len=256, skip_tokenizer_init=True, max_num_seqs=8,
               max_graph_tokens=64, cuda_graph_mode=mode, dtype="bfloat16",
-              distributed_timeout_s=300)
+              distributed_timeout_s=300) | extra
     with LLM(str(path), tensor_parallel_size=tp, **kw) as llm:
         outs = [o.outputs[0] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
         graphs = llm.graph_stats()
     return outs, graphs
 
 
-@pytest.mark.parametrize("mode", ["ragged", "full_and_piecewise"])
-def test_tp2_follows_tp1_greedy_tokens_in_bf16_with_graphs(llama, mode):
+# ragged: every message up to 256 rows on symmetric memory (one-shot or two-shot, measured);
+# full_and_piecewise: auto, whatever this machine measured fastest per size.
+@pytest.mark.parametrize("mode,all_reduce", [("ragged", "symm_mem"),
+                                             ("full_and_piecewise", "auto")])
+def test_tp2_follows_tp1_greedy_tokens_in_bf16_with_graphs(llama, mode, all_reduce):
     want, _ = _outputs(llama, mode, 1)
-    got, graphs = _outputs(llama, mode, 2)
+    got, graphs = _outputs(llama, mode, 2, all_reduce_backend=all_reduce)
     assert sum(graphs["hits"].values()) > 0  # decode steps replayed graphs
+    report = graphs["all_reduce"]
+    assert report["setting"] == all_reduce and report["reason"].startswith("measured"), report
+    assert len(report["latency_us"]) == 4 and report["choice"], report
+    if all_reduce == "symm_mem":
+        assert "nccl" not in report["choice"].values(), report
     _assert_follows(want, got)
 
 
