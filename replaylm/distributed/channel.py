@@ -53,7 +53,7 @@ class RankChannel:
         size = torch.tensor([data.numel()], dtype=torch.int64)
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
         for t in (size, data):
-            self._wait(dist.isend(t, self.peer, self.group, self.send_tag), timeout)
+            self._wait(self._call(dist.isend, t, self.peer, self.group, self.send_tag), timeout)
 
     def post(self) -> None:
         """Post the next message's length receive (``recv`` does when none is posted)."""
