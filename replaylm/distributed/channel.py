@@ -28,11 +28,20 @@ TO_WORKER, TO_DRIVER, TO_FOLLOWER = 1, 2, 3
 
 
 class PeerTimeout(RuntimeError):
-    """The peer did not take part in a send or a receive within the deadline."""
+    """The peer (``peer``, its global rank) did not take part in a send or a receive within
+    the deadline."""
+
+    def __init__(self, peer: int, text: str) -> None:
+        super().__init__(f"rank {peer}: {text}")
+        self.peer = peer
 
 
 class PeerLost(EOFError):
-    """The peer's connection closed: its process exited (or cannot be reached)."""
+    """The peer's (``peer``) connection closed: its process exited (or cannot be reached)."""
+
+    def __init__(self, peer: int, text: str) -> None:
+        super().__init__(f"rank {peer}: {text}")
+        self.peer = peer
 
 
 class RankChannel:
@@ -81,5 +90,5 @@ class RankChannel:
             return fn(*args)
         except RuntimeError as e:
             if "Timed out" in str(e):
-                raise PeerTimeout(f"rank {self.peer}: {e}") from e
-            raise PeerLost(f"rank {self.peer}: {e}") from e
+                raise PeerTimeout(self.peer, str(e)) from e
+            raise PeerLost(self.peer, str(e)) from e

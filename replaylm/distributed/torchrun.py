@@ -26,6 +26,7 @@ import sys
 import traceback
 import weakref
 from time import monotonic
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -110,22 +111,23 @@ def serve_rank(args: EngineArgs, launch: LaunchedRank) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank, tp, timeout_s = launch.rank, args.tensor_parallel_size, args.distributed_timeout_s
+    leader = rank - rank % tp
     driver = None
     try:
         args, tpc, agree, control = _join(args, launch)
         driver = RankChannel(0, control, TO_DRIVER, TO_WORKER, timeout_s)
-        leader = rank - rank % tp
         if rank == leader:
             _lead(args, tpc, agree, driver, _followers(leader, tp, control, timeout_s))
         else:
             _follow(args, tpc, agree, driver,
                     RankChannel(leader, control, TO_FOLLOWER, TO_FOLLOWER, timeout_s))
         return 0
-    except PeerLost as e:
-        print(f"replaylm rank {rank}: rank 0 or this rank's leader is gone ({e}); exiting",
-              file=sys.stderr)
-        return 1
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, PeerLost) and e.peer in (0, leader):
+            print(f"replaylm rank {rank}: rank {e.peer} is gone ({e}); exiting",
+                  file=sys.stderr)
+            return 1
+        # Anything else, a lost follower included, is this rank's fault to report.
         text = traceback.format_exc()
         print(f"replaylm rank {rank} failed:\n{text}", file=sys.stderr)
         if driver is not None:
@@ -186,8 +188,18 @@ class TorchrunEngine(DataParallelEngine):
             raise DataParallelError("the data-parallel engine is shut down")
         try:
             return _handle(self.core, op, list(args))
+        except PeerLost as e:  # sending the step to one of this rank's followers
+            self._fail_root(e.peer, f"exited or cannot be reached ({e})", lost=True)
+        except PeerTimeout as e:
+            self._fail_root(e.peer, f"did not take {op!r} from rank 0 within "
+                            f"distributed_timeout_s={self.timeout_s:g} s")
         except Exception:
-            self._fail_root(0, f"failed during {op!r}:\n{traceback.format_exc()}")
+            text = traceback.format_exc()
+            if _is_consequence(text):
+                self._fail_root(0, f"failed during {op!r}: a collective with the other ranks "
+                                "broke or timed out (a rank that died or hangs; "
+                                f"distributed_timeout_s={self.timeout_s:g} s):\n{text}")
+            self._fail_root(0, f"failed during {op!r}:\n{text}")
 
     def _send(self, rank: int, msg: tuple) -> None:
         if self._closed:
@@ -218,16 +230,17 @@ class TorchrunEngine(DataParallelEngine):
             replies[r] = msg
         return replies
 
-    def _fail_root(self, rank: int, what: str, lost: bool = False) -> None:
+    def _fail_root(self, rank: int, what: str, lost: bool = False) -> NoReturn:
         """Raise for the failure's root cause: a rank whose process exited comes first,
         then a rank that raised on its own, then ``rank``'s failure (``what``). A dead rank
         breaks the collectives of the others, whose faults are consequences."""
         if not self._closed:
             dead, faults = self._probe(exclude=rank)
-            if dead and not lost:
-                self._fail(dead, "exited or cannot be reached")
+            if dead:
+                ranks = sorted(set(dead) | ({rank} if lost else set()))
+                self._fail(ranks if len(ranks) > 1 else ranks[0], "exited or cannot be reached")
             primary = [(r, t) for r, t in faults if not _is_consequence(t)]
-            if primary and (lost or _is_consequence(what)):
+            if primary and not lost and _is_consequence(what):
                 self._fail(primary[0][0], f"failed:\n{primary[0][1]}")
         self._fail(rank, what)
 
