@@ -8,4 +8,8 @@
 - ``driver``: ``DataParallelEngine``, what ``LLM(..., data_parallel_size=N)`` drives:
   places requests on the least-loaded rank, routes aborts, steps every rank in lockstep
   (one message per rank per step), aggregates the statistics, ends the workers.
+- ``torchrun``: the same ranks started by torchrun, one per process, on several hosts: rank
+  0 drives (``TorchrunEngine``), the others run the worker loop.
+- ``channel``: ``RankChannel``, the driver's and the leaders' messages over a gloo group
+  (what pipes carry on one host).
 """

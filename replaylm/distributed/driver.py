@@ -69,21 +69,39 @@ class DataParallelEngine:
         self.timeout_s = args.distributed_timeout_s
         self.model_config, model_dir = load_model_config(args.model)
         check_tensor_parallel(self.model_config, self.tp)
+        self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
+        self.tokenizer = load_tokenizer(args, model_dir)
+        # One exchange with the workers at a time, whichever thread asks.
+        self._lock = threading.RLock()
+        self._closed = False
+        self._grace_s = [5.0]  # how long workers get to exit when asked (shortened on a fault)
+        infos = self._start_workers()
+        info = infos[0]
+        self.device, self.dtype = info["device"], info["dtype"]
+        self.graph_mode = info["graph_mode"]
+        self.tune_seconds = info["tune_seconds"]  # rank 0's kernel tuning at start-up
+        self.step_observer = None
+        # The ranks' latest statistics, as their step replies bring them (``live_stats``).
+        self._snapshots = [infos[g]["stats"] for g in self.leaders]
+        self.rejected = 0  # requests the driver refused before any rank saw them
+        self.live_stats = EngineStats(graph_mode=self.graph_mode)
+        self._refresh_live()
+        self.load = [0] * self.size  # tokens of each rank's running + waiting requests
+        self.busy = [False] * self.size  # whether each rank has unfinished work
+        self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
+
+    def _start_workers(self) -> list[dict]:
+        """Start one worker process per rank on this host; each one's start-up reply."""
+        args = self.args
         if resolve_device(args.device).type == "cuda" and self.world > torch.cuda.device_count():
             raise ValueError(
                 f"EngineArgs.data_parallel_size={self.size} × tensor_parallel_size={self.tp} "
                 f"needs {self.world} GPUs (one per rank), but {torch.cuda.device_count()} are "
                 "visible")
-        self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
-        self.tokenizer = load_tokenizer(args, model_dir)
         ctx = tmp.get_context("spawn")
         store_dir = tempfile.mkdtemp(prefix="replaylm-dp-")
         init_method = (Path(store_dir) / "store").as_uri()
         self.procs, self.conns = [], []  # every rank's, by global rank
-        # One exchange with the workers at a time, whichever thread asks.
-        self._lock = threading.RLock()
-        self._closed = False
-        self._grace_s = [5.0]  # how long workers get to exit when asked (shortened on a fault)
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns,
                                            store_dir, self._grace_s)
         # Each leader's pipes to its followers (one message per follower per step).
@@ -103,20 +121,7 @@ class DataParallelEngine:
         for recv_end, send_end in tp_pipes.values():
             recv_end.close()
             send_end.close()
-        infos = self._gather(range(self.world), "start")
-        info = infos[0]
-        self.device, self.dtype = info["device"], info["dtype"]
-        self.graph_mode = info["graph_mode"]
-        self.tune_seconds = info["tune_seconds"]  # rank 0's kernel tuning at start-up
-        self.step_observer = None
-        # The ranks' latest statistics, as their step replies bring them (``live_stats``).
-        self._snapshots = [infos[g]["stats"] for g in self.leaders]
-        self.rejected = 0  # requests the driver refused before any rank saw them
-        self.live_stats = EngineStats(graph_mode=self.graph_mode)
-        self._refresh_live()
-        self.load = [0] * self.size  # tokens of each rank's running + waiting requests
-        self.busy = [False] * self.size  # whether each rank has unfinished work
-        self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
+        return self._gather(range(self.world), "start")
 
     # Requests ------------------------------------------------------------------------------
 

@@ -54,21 +54,9 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         dp, tp = args.data_parallel_size, args.tensor_parallel_size
-        cuda = resolve_device(args.device).type == "cuda"
-        if cuda:  # one GPU per rank
-            torch.cuda.set_device(rank)
-            args = args.replace(device=f"cuda:{rank}")
-        else:  # the ranks share the host's cores
+        if resolve_device(args.device).type != "cuda":  # the ranks share the host's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // (dp * tp)))
-        init_group(rank, dp * tp, init_method, args.distributed_timeout_s, cuda)
-        tpc = None
-        if tp > 1:
-            group = tensor_parallel_group(rank, dp, tp, args.distributed_timeout_s)
-            cfg, _ = load_model_config(args.model)
-            tpc = TensorParallel(rank % tp, tp, group, cfg.num_kv_heads)
-            # Create the group's communicators now, not inside a graph capture.
-            tpc.all_reduce(torch.zeros(1, device=resolve_device(args.device)))
-        agree = TierAgreement() if dp > 1 else None
+        args, tpc, agree = join_groups(rank, rank, init_method, args)
         if rank % tp == 0:
             _lead(args, tpc, agree, conn, tp_conns)
         else:
@@ -85,8 +73,32 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
             dist.destroy_process_group()
 
 
-def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
-          conn: Connection, followers: list[Connection]) -> None:
+def join_groups(rank: int, local_rank: int, init_method: str, args: EngineArgs
+                ) -> tuple[EngineArgs, TensorParallel | None, TierAgreement | None]:
+    """Join the ranks' process groups (every rank calls this, in the same order): ``args``
+    with this rank's device (``cuda:local_rank`` on CUDA), its tensor-parallel communicator
+    (None without tensor parallelism) and its tier agreement (None without data
+    parallelism)."""
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    cuda = resolve_device(args.device).type == "cuda"
+    if cuda:  # one GPU per rank
+        torch.cuda.set_device(local_rank)
+        args = args.replace(device=f"cuda:{local_rank}")
+    init_group(rank, dp * tp, init_method, args.distributed_timeout_s, cuda)
+    tpc = None
+    if tp > 1:
+        group = tensor_parallel_group(rank, dp, tp, args.distributed_timeout_s)
+        cfg, _ = load_model_config(args.model)
+        tpc = TensorParallel(rank % tp, tp, group, cfg.num_kv_heads)
+        # Create the group's communicators now, not inside a graph capture.
+        tpc.all_reduce(torch.zeros(1, device=resolve_device(args.device)))
+    return args, tpc, TierAgreement() if dp > 1 else None
+
+
+def leader_core(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
+                followers: list) -> EngineCore:
+    """A data-parallel rank's engine; its runner sends each step to ``followers`` (one
+    message per follower: anything with ``send``, a pipe or a ``RankChannel``)."""
     core = EngineCore(args, tpc)
     core.agree = agree
     if followers:
@@ -95,9 +107,20 @@ def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | N
                 c.send(msg)
 
         core.runner.broadcast = broadcast
-    conn.send(("ok", {"device": core.device, "dtype": core.dtype,
-                      "graph_mode": core.graph_mode, "num_blocks": core.runner.num_blocks,
-                      "tune_seconds": core.runner.tune_seconds, "stats": _snapshot(core)}))
+    return core
+
+
+def start_info(core: EngineCore) -> dict:
+    """What a leader tells the driver once its engine is up."""
+    return {"device": core.device, "dtype": core.dtype, "graph_mode": core.graph_mode,
+            "num_blocks": core.runner.num_blocks, "tune_seconds": core.runner.tune_seconds,
+            "stats": _snapshot(core)}
+
+
+def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
+          conn: Connection, followers: list[Connection]) -> None:
+    core = leader_core(args, tpc, agree, followers)
+    conn.send(("ok", start_info(core)))
     while True:
         op, *rest = conn.recv()
         if op == "shutdown":

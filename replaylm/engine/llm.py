@@ -13,6 +13,7 @@ from replaylm.distributed.driver import DataParallelEngine
 from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.engine.stats import EngineStats
+from replaylm.env import launched_rank
 from replaylm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -175,7 +176,16 @@ class LLM:
 def make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
     """The engine ``args`` ask for: one ``EngineCore`` in this process, or the driver of
     worker processes for data or tensor parallelism (``LLM`` and ``replaylm serve`` both use
-    it)."""
+    it).
+
+    In a process torchrun started (``env.launched_rank``), rank 0 gets the driver of the
+    job's ranks and every other rank serves as a worker and exits when rank 0 shuts down
+    (``distributed.torchrun``): only rank 0 returns."""
+    launch = launched_rank()
+    if launch is not None:
+        from replaylm.distributed.torchrun import start_rank
+
+        return start_rank(args, launch)
     if args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
         return DataParallelEngine(args)
     return EngineCore(args)
