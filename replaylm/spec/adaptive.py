@@ -2,12 +2,13 @@
 estimates feed ``budget.choose_budget`` every step, and decide when speculation pays at all.
 
 Costs are learnt online as the wall time between the ends of consecutive steps, kept per
-tier (a graph's token tier, or for eager steps the next power of two) as moving averages:
-``costs`` for steps that verify drafts (resolved before the next step is built), and
-``plain_costs`` for plain steps run with overlap scheduling (the CPU builds step N+1 while
-the GPU runs step N), which is what decoding without speculation costs. A tier not measured
-yet is estimated from the nearest measured one below it, scaled by the token ratio (above
-it: that tier's cost).
+tier (a graph's token tier, or for eager steps the next power of two) as the least of the
+last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a collection
+pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
+drafts (resolved before the next step is built), and ``plain_costs`` for plain steps run
+with overlap scheduling (the CPU builds step N+1 while the GPU runs step N), which is what
+decoding without speculation costs. A tier not measured yet is estimated from the nearest
+measured one below it, scaled by the token ratio (above it: that tier's cost).
 
 Acceptance per request is a moving average of the share of its drafts accepted; a request
 not measured yet starts from the engine's running average over all requests (``PRIOR``
@@ -19,18 +20,25 @@ would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposal
 drafter on their known tokens, never verified: once the tokens they guessed have been
 generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
 proposals) update the acceptance estimates for free, and when the chooser would then
-verify drafts, coasting ends. A drafter with device state (a draft model) never coasts.
+verify drafts, coasting ends. When the verify steps that follow measure costs that send it
+straight back (within ``SHORT_RUN`` steps), the next stretch must last twice as long before
+shadow evidence may end it (``hold``, up to ``MAX_HOLD`` steps; a longer run of verifies
+resets it). A drafter with device state (a draft model) never coasts.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from replaylm.spec.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
-WEIGHT = 0.3  # weight of the newest observation in the moving averages
+WEIGHT = 0.3  # weight of the newest observation in the acceptance moving averages
+WINDOW = 8  # step costs: the least of this many latest times per tier
+SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
+MAX_HOLD = 1024  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
 
@@ -44,9 +52,11 @@ def eager_tiers(max_tokens: int) -> list[int]:
     return tiers + [max_tokens]
 
 
-def _average(table: dict[int, float], key: int, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else old + WEIGHT * (value - old)
+def _observe(times: dict[int, deque[float]], costs: dict[int, float], tier: int,
+             seconds: float) -> None:
+    window = times.setdefault(tier, deque(maxlen=WINDOW))
+    window.append(seconds)
+    costs[tier] = min(window)
 
 
 def staircase(tiers: Sequence[int], measured: dict[int, float]) -> list[tuple[int, float]]:
@@ -84,19 +94,28 @@ class AdaptiveBudget:
         self.k = num_speculative_tokens
         self.costs: dict[int, float] = {}  # verify steps: tier -> seconds
         self.plain_costs: dict[int, float] = {}  # plain overlapped steps: tier -> seconds
+        self._times: dict[int, deque[float]] = {}
+        self._plain_times: dict[int, deque[float]] = {}
         self.acceptance = PRIOR  # running average over every request's observations
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
+        self.hold = 0  # coasting steps before shadow evidence may end a stretch
+        self._coasted = 0  # steps of the current coasting stretch
+        self._verify_run: int | None = None  # choices since a shadow-ended stretch
 
     def tier_of(self, num_tokens: int) -> int | None:
         return next((t for t in self.tiers if t >= num_tokens), None)
 
     def observe_step(self, tier: int | None, seconds: float, verified: bool) -> None:
         """A step's wall time (end of the previous step to end of this one)."""
-        if tier is not None:
-            _average(self.costs if verified else self.plain_costs, tier, seconds)
+        if tier is None:
+            return
+        if verified:
+            _observe(self._times, self.costs, tier, seconds)
+        else:
+            _observe(self._plain_times, self.plain_costs, tier, seconds)
 
     def estimate(self, req: Any) -> float:
         return getattr(req, "spec_acceptance", self.acceptance)
@@ -132,9 +151,16 @@ class AdaptiveBudget:
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
+        if self._verify_run is not None:
+            self._verify_run += 1
+            if self._verify_run >= SHORT_RUN:  # speculation paid for a while: no hold
+                self.hold, self._verify_run = 0, None
         if not self.last_choice:
+            if self._verify_run is not None:  # a false start: hold the next stretch longer
+                self.hold = min(MAX_HOLD, max(SHORT_RUN, 2 * self.hold))
+                self._verify_run = None
             self.coasting = True
-            self._since_shadow = 0
+            self._since_shadow = self._coasted = 0
         return ks
 
     # Coasting -------------------------------------------------------------------------------
@@ -143,6 +169,7 @@ class AdaptiveBudget:
         """Every ``SHADOW_EVERY`` calls: proposals for up to ``SHADOW_REQUESTS`` of ``reqs``
         (decoding requests, with ``room[i]`` drafts left) that have none outstanding."""
         self._since_shadow += 1
+        self._coasted += 1
         if self._since_shadow < SHADOW_EVERY:
             return
         self._since_shadow = 0
@@ -173,7 +200,8 @@ class AdaptiveBudget:
                         else leading_matches(drafts, actual))
             self.observe_verify(req, len(drafts), accepted)
             scored = True
-        if scored and running and sum(self._choice(running, base_tokens,
-                                                   [self.k] * len(running))):
+        if scored and running and self._coasted >= self.hold and sum(
+                self._choice(running, base_tokens, [self.k] * len(running))):
             self.coasting = False
             self.shadow.clear()
+            self._verify_run = 0

@@ -75,15 +75,20 @@ class _Req:
 
 
 def test_adaptive_budget_learns_costs_and_acceptance():
+    from replaylm.spec import adaptive
     from replaylm.spec.adaptive import PRIOR, AdaptiveBudget, eager_tiers
 
     assert eager_tiers(40) == [1, 2, 4, 8, 16, 32, 40]
     b = AdaptiveBudget([4, 8, 16], 4)
     reqs = [_Req([1, 2, 3]), _Req([4, 5])]
     assert b.choose(reqs, 2) == [3, 2]  # nothing measured yet: drafts as proposed
-    b.observe_step(4, 1.0, verified=True)
-    b.observe_step(4, 2.0, verified=True)
-    assert b.costs[4] == pytest.approx(1.3)  # moving average
+    b.observe_step(4, 1.3, verified=True)
+    b.observe_step(4, 9.0, verified=True)  # a pause inside the step: not what tier 4 costs
+    assert b.costs[4] == pytest.approx(1.3)  # the least of the latest times
+    for _ in range(adaptive.WINDOW):
+        b.observe_step(4, 1.5, verified=True)
+    assert b.costs[4] == pytest.approx(1.5)  # the window moved on
+    b.observe_step(4, 1.3, verified=True)
     # Unmeasured tiers scale from the largest measured one below by the token ratio.
     assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(2.6)),
                              (16, pytest.approx(5.2))]
@@ -166,3 +171,58 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
     est = r.spec_acceptance
     b.shadow_check(lambda req, drafts, actual: 3, [r], 1)
     assert r.spec_acceptance > est
+
+
+def test_false_starts_hold_coasting_longer():
+    """Shadow evidence ended a stretch but the measured verify costs sent the chooser back
+    at once: the next stretch must last SHORT_RUN, then twice that, before evidence counts;
+    a run of verifies that pays clears the hold."""
+    from replaylm.spec import adaptive
+    from replaylm.spec.adaptive import AdaptiveBudget
+
+    b = AdaptiveBudget([1, 2, 4, 8], 4)
+    b.observe_step(1, 1.0, verified=False)
+    b.observe_step(8, 1.0, verified=True)
+    r = _Req([], output=[9])
+    r.spec_acceptance = 0.9
+
+    class Drafter:
+        def propose(self, reqs, room):
+            return [[1] * k for k in room]
+
+    def stretch(steps):
+        """Coast ``steps`` steps with every shadow proposal right; whether coasting ended."""
+        for _ in range(steps):
+            b.shadow_round(Drafter(), [r], [4])
+            if r in b.shadow:
+                r.output_token_ids += [1] * 4
+            b.shadow_check(None, [r], 1)
+            if not b.coasting:
+                return True
+        return False
+
+    b.coasting = True
+    assert stretch(adaptive.SHADOW_EVERY)  # no hold yet: the first evidence ends it
+    r.draft_tokens = [1, 1, 1, 1]
+    b.observe_step(8, 50.0, verified=True)  # verifies cost far more than thought...
+    b._times[8].clear()
+    b.observe_step(8, 50.0, verified=True)
+    r.spec_acceptance = 0.9
+    assert b.choose([r], 1) == [0] and b.coasting  # ...so back at once: a false start
+    assert b.hold == adaptive.SHORT_RUN
+    assert not stretch(adaptive.SHORT_RUN - 1)  # evidence does not count before the hold
+    b.observe_step(8, 1.0, verified=True)
+    assert stretch(adaptive.SHADOW_EVERY + 1)
+    b.observe_step(8, 50.0, verified=True)
+    b._times[8].clear()
+    b.observe_step(8, 50.0, verified=True)
+    r.draft_tokens = [1, 1, 1, 1]
+    assert b.choose([r], 1) == [0] and b.hold == 2 * adaptive.SHORT_RUN
+    b.observe_step(8, 1.0, verified=True)
+    b._times[8].clear()
+    b.observe_step(8, 1.0, verified=True)
+    assert stretch(2 * adaptive.SHORT_RUN)
+    for _ in range(adaptive.SHORT_RUN):  # speculation pays for a while: the hold goes
+        r.draft_tokens = [1, 1, 1, 1]
+        assert b.choose([r], 1) == [4]
+    assert b.hold == 0
