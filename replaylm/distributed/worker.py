@@ -32,7 +32,7 @@ from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, resolve_weights_dir
 from replaylm.engine.model_runner import ModelRunner, resolve_device
 from replaylm.engine.stats import EngineStats
-from replaylm.model.parallel import TensorParallel
+from replaylm.model.parallel import DataParallelAttention, TensorParallel
 
 #: Seconds between the statistics a leader attaches to its step replies (the driver's live
 #: view, which the server's ``/metrics`` reads); a rank that runs out of work always sends.
@@ -69,8 +69,9 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
             # Create the group's communicators now, not inside a graph capture.
             tpc.all_reduce(torch.zeros(1, device=resolve_device(args.device)))
         agree = TierAgreement() if dp > 1 else None
+        dpa = _dp_attention(rank, args) if args.enable_dp_attention else None
         if rank % tp == 0:
-            _lead(args, tpc, agree, conn, tp_conns)
+            _lead(args, tpc, agree, conn, tp_conns, dpa)
         else:
             _follow(args, tpc, agree, conn, tp_conns[0])
     except (EOFError, KeyboardInterrupt):  # the driver (or the leader) is gone
@@ -85,9 +86,20 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
             dist.destroy_process_group()
 
 
+def _dp_attention(rank: int, args: EngineArgs) -> DataParallelAttention:
+    """Data-parallel attention: every rank (tensor_parallel_size is 1) holds a slice of the
+    MLP, whose collectives run over the whole group."""
+    dpa = DataParallelAttention(rank, args.data_parallel_size)
+    # Create the communicators now, not inside a graph capture.
+    x = torch.zeros(dpa.size, device=resolve_device(args.device))
+    dpa.scatter_sum(dpa.gather_rows(x))
+    return dpa
+
+
 def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
-          conn: Connection, followers: list[Connection]) -> None:
-    core = EngineCore(args, tpc)
+          conn: Connection, followers: list[Connection],
+          dpa: DataParallelAttention | None = None) -> None:
+    core = EngineCore(args, tpc, dpa)
     core.agree = agree
     if followers:
         def broadcast(msg: tuple) -> None:
