@@ -157,11 +157,6 @@ class DataParallelAttention:
         """``[T, ...]``: this rank's rows of ``x`` (``[size * T, ...]``) summed over ranks."""
         return reduce_scatter(x, self.size, self.group)
 
-    def mlp_slice(self, intermediate_size: int) -> tuple[int, int]:
-        """``(start, size)`` of this rank's slice of the MLP's intermediate dimension."""
-        width = intermediate_size // self.size
-        return self.rank * width, width
-
 
 def check_dp_attention(cfg: ModelConfig, size: int) -> None:
     """Raise ``ValueError`` naming ``enable_dp_attention`` if ``cfg``'s MLP cannot be split

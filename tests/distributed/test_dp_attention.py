@@ -215,3 +215,18 @@ def test_piecewise_dp_attention_matches_one_process(llama):
         assert _tokens(llm, PROMPTS + [LONG]) == want
         g = llm.graph_stats()
     assert sum(k.startswith("piecewise:") for k in g["hits"]) > 0 and g["checks"] > 0
+
+
+def test_speculative_dp_attention_matches_plain_one_process(qwen3):
+    """n-gram drafts verified on both ranks through the agreement (ragged verify graphs and
+    padded eager chunks): the tokens of one plain engine, drafts accepted."""
+    spans = [[5 + (13 * i + 7 * j) % 200 for j in range(4 + i % 3)] for i in range(6)]
+    prompts = [(s * 5)[: 4 + 3 * len(s)] for s in spans] + [LONG]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(str(qwen3), **_kw("ragged")), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    with LLM(str(qwen3), data_parallel_size=2, enable_dp_attention=True,
+             speculative_config=spec, **_kw("ragged")) as llm:
+        assert _tokens(llm, prompts, params) == want
+        st = llm.spec_stats()
+    assert st["draft_tokens"] > 0 and st["accepted_tokens"] > 0 and st["verify_steps"] > 0
