@@ -22,6 +22,7 @@ sits below the engine, the graphs, the model and the kernels, and imports none o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,23 @@ class HostBatch:
                    slot_mapping=i64, cu_seqlens_q=np.zeros(1, np.int32), kv_lens=i32,
                    req_slots=i32, table_index=i32, table_value=i32, logits_indices=i64,
                    sample_slots=i64, sample_out_pos=i64)
+
+    def padded(self, num_tokens: int, scratch_slot: int) -> HostBatch:
+        """This batch with tokens up to ``num_tokens`` appended as padding (they write
+        scratch block 0 and belong to no request); a batch of no requests gets one empty
+        request (no tokens, ``kv_lens`` 0, the scratch slot's all-zero block table), so every
+        backend sees a request to skip. An eager step run in the shapes the data-parallel
+        ranks agreed on."""
+        extra = num_tokens - self.num_tokens
+        assert extra >= 0, "padding cannot shrink a batch"
+        pad = np.zeros(extra, np.int64)
+        changes = dict(input_ids=np.concatenate([self.input_ids, pad]),
+                       positions=np.concatenate([self.positions, pad]),
+                       slot_mapping=np.concatenate([self.slot_mapping, pad]))
+        if self.num_reqs == 0:
+            changes |= dict(cu_seqlens_q=np.zeros(2, np.int32), kv_lens=np.zeros(1, np.int32),
+                            req_slots=np.full(1, scratch_slot, np.int32))
+        return dataclasses.replace(self, **changes)
 
     @property
     def max_q_len(self) -> int:

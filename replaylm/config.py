@@ -85,6 +85,10 @@ _HELP: dict[str, str] = {
     "up to 256 tokens x hidden size, NCCL above (CUDA, bfloat16 or float32); auto = measure "
     "NCCL and symmetric memory on decode-sized messages at start-up and use the fastest per "
     "size (NCCL or gloo where symmetric memory is unavailable); the choice is in graph_stats()",
+    "enable_dp_attention": "data-parallel attention: each of the data_parallel_size ranks runs "
+    "attention on its own requests (full heads, own KV pool) while the dense MLP is "
+    "tensor-parallel across the ranks (tokens all-gathered, outputs reduce-scattered); needs "
+    "data_parallel_size >= 2 and tensor_parallel_size 1",
     "distributed_timeout_s": "seconds the driver waits for a worker (start-up and every "
     "step) before it raises naming the rank; also the ranks' collective timeout",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
@@ -136,6 +140,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     all_reduce_backend: str = "auto"
+    enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -168,6 +173,8 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.distributed_timeout_s={self.distributed_timeout_s!r} "
                              "is invalid: must be a number of seconds > 0")
         _check_all_reduce_backend(self)
+        if self.enable_dp_attention:
+            _check_dp_attention(self)
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("EngineArgs.speculative_config is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size} (> 1)")
@@ -244,6 +251,19 @@ def _cli_type(annotation: Any) -> Any:
         if arg in (int, float):
             return arg
     return str
+
+
+def _check_dp_attention(args: EngineArgs) -> None:
+    """Data-parallel attention spans the data-parallel ranks alone (the MLP's tensor-parallel
+    group is theirs)."""
+    field = "EngineArgs.enable_dp_attention=True"
+    if args.data_parallel_size < 2:
+        raise ValueError(f"{field} needs data_parallel_size >= 2 (got "
+                         f"{args.data_parallel_size}): the MLP is split across those ranks")
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"{field} needs tensor_parallel_size=1 (got "
+                         f"{args.tensor_parallel_size}): the data-parallel ranks form the "
+                         "MLP's tensor-parallel group")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

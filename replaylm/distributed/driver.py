@@ -36,7 +36,7 @@ from replaylm.engine.loading import load_model_config, load_tokenizer
 from replaylm.engine.model_runner import resolve_device
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
-from replaylm.model.parallel import check_tensor_parallel
+from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
 from replaylm.spec.stats import SpecStats
 
@@ -69,6 +69,8 @@ class DataParallelEngine:
         self.timeout_s = args.distributed_timeout_s
         self.model_config, model_dir = load_model_config(args.model)
         check_tensor_parallel(self.model_config, self.tp)
+        if args.enable_dp_attention:
+            check_dp_attention(self.model_config, self.size)
         self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
         self.tokenizer = load_tokenizer(args, model_dir)
         # One exchange with the workers at a time, whichever thread asks.

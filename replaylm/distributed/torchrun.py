@@ -89,12 +89,12 @@ def check_launch(args: EngineArgs, launch: LaunchedRank) -> None:
 
 
 def _join(args: EngineArgs, launch: LaunchedRank
-          ) -> tuple[EngineArgs, object, object, dist.ProcessGroup]:
+          ) -> tuple[EngineArgs, object, object, object, dist.ProcessGroup]:
     """The engine's groups (``worker.join_groups`` over ``env://``) and the control group
     the messages cross (gloo, waiting for as long as a server may idle)."""
-    args, tpc, agree = join_groups(launch.rank, launch.local_rank, "env://", args)
+    args, tpc, agree, dpa = join_groups(launch.rank, launch.local_rank, "env://", args)
     control = dist.new_group(backend="gloo", timeout=WAIT_FOREVER)
-    return args, tpc, agree, control
+    return args, tpc, agree, dpa, control
 
 
 def _followers(leader: int, tp: int, group: dist.ProcessGroup, timeout_s: float
@@ -114,10 +114,10 @@ def serve_rank(args: EngineArgs, launch: LaunchedRank) -> int:
     leader = rank - rank % tp
     driver = None
     try:
-        args, tpc, agree, control = _join(args, launch)
+        args, tpc, agree, dpa, control = _join(args, launch)
         driver = RankChannel(0, control, TO_DRIVER, TO_WORKER, timeout_s)
         if rank == leader:
-            _lead(args, tpc, agree, driver, _followers(leader, tp, control, timeout_s))
+            _lead(args, tpc, agree, driver, _followers(leader, tp, control, timeout_s), dpa)
         else:
             _follow(args, tpc, agree, driver,
                     RankChannel(leader, control, TO_FOLLOWER, TO_FOLLOWER, timeout_s))
@@ -150,7 +150,7 @@ class TorchrunEngine(DataParallelEngine):
         super().__init__(args)
 
     def _start_workers(self) -> list[dict]:
-        args, tpc, agree, control = _join(self.args, self.launch)
+        args, tpc, agree, dpa, control = _join(self.args, self.launch)
         timeout_s = self.timeout_s
         self.chans = {r: RankChannel(r, control, TO_WORKER, TO_DRIVER, timeout_s)
                       for r in range(1, self.world)}
@@ -159,7 +159,7 @@ class TorchrunEngine(DataParallelEngine):
             self, _stop_ranks, [self.chans[g] for g in self.leaders[1:]], followers,
             self._grace_s)
         try:
-            self.core = leader_core(args, tpc, agree, followers)
+            self.core = leader_core(args, tpc, agree, followers, dpa)
             local = start_info(self.core)
         except Exception:
             self._fail_root(0, f"failed during 'start':\n{traceback.format_exc()}")

@@ -32,7 +32,7 @@ from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, resolve_weights_dir
 from replaylm.engine.model_runner import ModelRunner, resolve_device
 from replaylm.engine.stats import EngineStats
-from replaylm.model.parallel import TensorParallel
+from replaylm.model.parallel import DataParallelAttention, TensorParallel
 
 #: Seconds between the statistics a leader attaches to its step replies (the driver's live
 #: view, which the server's ``/metrics`` reads); a rank that runs out of work always sends.
@@ -56,9 +56,9 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
         dp, tp = args.data_parallel_size, args.tensor_parallel_size
         if resolve_device(args.device).type != "cuda":  # the ranks share the host's cores
             torch.set_num_threads(max(1, torch.get_num_threads() // (dp * tp)))
-        args, tpc, agree = join_groups(rank, rank, init_method, args)
+        args, tpc, agree, dpa = join_groups(rank, rank, init_method, args)
         if rank % tp == 0:
-            _lead(args, tpc, agree, conn, tp_conns)
+            _lead(args, tpc, agree, conn, tp_conns, dpa)
         else:
             _follow(args, tpc, agree, conn, tp_conns[0])
     except (EOFError, KeyboardInterrupt):  # the driver (or the leader) is gone
@@ -74,11 +74,12 @@ def worker_main(rank: int, init_method: str, args: EngineArgs, conn: Connection,
 
 
 def join_groups(rank: int, local_rank: int, init_method: str, args: EngineArgs
-                ) -> tuple[EngineArgs, TensorParallel | None, TierAgreement | None]:
+                ) -> tuple[EngineArgs, TensorParallel | None, TierAgreement | None,
+                           DataParallelAttention | None]:
     """Join the ranks' process groups (every rank calls this, in the same order): ``args``
     with this rank's device (``cuda:local_rank`` on CUDA), its tensor-parallel communicator
-    (None without tensor parallelism) and its tier agreement (None without data
-    parallelism)."""
+    (None without tensor parallelism), its tier agreement (None without data parallelism)
+    and its data-parallel-attention communicator (None without ``enable_dp_attention``)."""
     dp, tp = args.data_parallel_size, args.tensor_parallel_size
     cuda = resolve_device(args.device).type == "cuda"
     if cuda:  # one GPU per rank
@@ -92,14 +93,25 @@ def join_groups(rank: int, local_rank: int, init_method: str, args: EngineArgs
         tpc = TensorParallel(rank % tp, tp, group, cfg.num_kv_heads)
         # Create the group's communicators now, not inside a graph capture.
         tpc.all_reduce(torch.zeros(1, device=resolve_device(args.device)))
-    return args, tpc, TierAgreement() if dp > 1 else None
+    dpa = _dp_attention(rank, args) if args.enable_dp_attention else None
+    return args, tpc, TierAgreement() if dp > 1 else None, dpa
+
+
+def _dp_attention(rank: int, args: EngineArgs) -> DataParallelAttention:
+    """Data-parallel attention: every rank (tensor_parallel_size is 1) holds a slice of the
+    MLP, whose collectives run over the whole group."""
+    dpa = DataParallelAttention(rank, args.data_parallel_size)
+    # Create the communicators now, not inside a graph capture.
+    x = torch.zeros(dpa.size, device=resolve_device(args.device))
+    dpa.scatter_sum(dpa.gather_rows(x))
+    return dpa
 
 
 def leader_core(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
-                followers: list) -> EngineCore:
+                followers: list, dpa: DataParallelAttention | None = None) -> EngineCore:
     """A data-parallel rank's engine; its runner sends each step to ``followers`` (one
     message per follower: anything with ``send``, a pipe or a ``RankChannel``)."""
-    core = EngineCore(args, tpc)
+    core = EngineCore(args, tpc, dpa)
     core.agree = agree
     if followers:
         def broadcast(msg: tuple) -> None:
@@ -118,8 +130,9 @@ def start_info(core: EngineCore) -> dict:
 
 
 def _lead(args: EngineArgs, tpc: TensorParallel | None, agree: TierAgreement | None,
-          conn: Connection, followers: list[Connection]) -> None:
-    core = leader_core(args, tpc, agree, followers)
+          conn: Connection, followers: list[Connection],
+          dpa: DataParallelAttention | None = None) -> None:
+    core = leader_core(args, tpc, agree, followers, dpa)
     conn.send(("ok", start_info(core)))
     while True:
         op, *rest = conn.recv()

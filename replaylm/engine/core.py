@@ -23,7 +23,7 @@ from replaylm.engine.request import Request, RequestStatus
 from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.model.config import ModelConfig
-from replaylm.model.parallel import TensorParallel
+from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
 from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
@@ -39,8 +39,10 @@ MAX_DEFAULT_MODEL_LEN = 8192
 class EngineCore:
     """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
 
-    def __init__(self, args: EngineArgs, tp: TensorParallel | None = None) -> None:
-        """``tp``: this engine is the leader of a tensor-parallel group (``distributed``)."""
+    def __init__(self, args: EngineArgs, tp: TensorParallel | None = None,
+                 dp: DataParallelAttention | None = None) -> None:
+        """``tp``: this engine is the leader of a tensor-parallel group; ``dp``: its model's
+        MLP is split across the data-parallel ranks (``distributed``)."""
         self.args = args
         self.model_config, model_dir = load_model_config(args.model)
         cfg = self.model_config
@@ -57,7 +59,7 @@ class EngineCore:
 
             draft_runner = load_draft_runner(args, spec, cfg, self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len, tp,
-                                  kv_partner=draft_runner)
+                                  kv_partner=draft_runner, dp=dp)
         self.graph_mode = self.runner.graph_mode
         self.block_manager = BlockManager(self.runner.num_blocks,
                                           enable_prefix_caching=args.enable_prefix_caching)

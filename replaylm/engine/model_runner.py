@@ -28,7 +28,12 @@ from replaylm.kernels import jit_clock
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
-from replaylm.model.parallel import TensorParallel, shard_config
+from replaylm.model.parallel import (
+    DataParallelAttention,
+    TensorParallel,
+    dp_attention_config,
+    shard_config,
+)
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
 from replaylm.spec.acceptance import emitted_rows
@@ -112,12 +117,16 @@ class ModelRunner:
     each step's ``StepInput`` to ``broadcast`` (set by ``replaylm.distributed``), and the
     other ranks run it with ``run_step``. Sampling is replicated: every rank holds the full
     logits and the same per-slot state, so every rank samples the same tokens.
+
+    With ``dp`` (data-parallel attention) it holds every head and one rank's slice of the
+    MLP, whose collectives span the data-parallel ranks: its steps run in the token count the
+    ranks agreed on (``GraphRuntime``'s ``pad_to_agreed``), idle or not.
     """
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
                  max_model_len: int, tp: TensorParallel | None = None,
-                 kv_partner: Any = None) -> None:
-        self._setup(args, cfg, max_model_len, tp)
+                 kv_partner: Any = None, dp: DataParallelAttention | None = None) -> None:
+        self._setup(args, cfg, max_model_len, tp, dp)
         self.spec = (SpecConfig.from_dict(args.speculative_config)
                      if args.speculative_config is not None else None)
         if self.spec is not None:
@@ -145,15 +154,20 @@ class ModelRunner:
         self._start_graphs()
 
     def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int,
-               tp: TensorParallel | None = None) -> None:
-        """Device, dtype, graph mode and tiers from the settings; under tensor parallel,
-        ``cfg`` becomes this rank's shard (``full_cfg`` keeps the whole model's)."""
+               tp: TensorParallel | None = None, dp: DataParallelAttention | None = None
+               ) -> None:
+        """Device, dtype, graph mode and tiers from the settings; under tensor parallel or
+        data-parallel attention, ``cfg`` becomes this rank's shard (``full_cfg`` keeps the
+        whole model's)."""
         self.args = args
         self.tp = tp
+        self.dp = dp
         # Tensor parallel leader: sends each step's input to the other ranks of its group.
         self.broadcast: Callable[[tuple], None] | None = None
         self.full_cfg = cfg
         self.cfg = shard_config(cfg, self.tp.size) if self.tp is not None else cfg
+        if dp is not None:
+            self.cfg = dp_attention_config(cfg, dp.size)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self._jit_snapshot()  # on CUDA: count Triton's compiles from here (start-up split)
@@ -172,7 +186,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model: CausalLM = load_model(
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed, self.tp,
-            self.full_cfg)
+            self.full_cfg, self.dp)
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
         self.model.use_side_stream(args.moe_side_stream_max_tokens)
@@ -211,6 +225,7 @@ class ModelRunner:
             host_attn_lengths=not self.attn.graph_safe,
             eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
             graph_check=args.graph_check, rows_per_req=self.rows_per_req,
+            pad_to_agreed=self.dp is not None,
         )
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
@@ -423,10 +438,11 @@ class ModelRunner:
             logits, greedy, batch = res.logits, res.greedy, res.batch
             dispatch, padded = res.dispatch, res.padded_tokens
         else:
+            pad_to = 0
             if agree is not None:  # the other ranks run this step eagerly too
-                self.graphs.dispatch(host.num_tokens, host.num_reqs, host.is_uniform_decode,
-                                     False, agree)
-            logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan)
+                pad_to = self.graphs.dispatch(host.num_tokens, host.num_reqs,
+                                              host.is_uniform_decode, False, agree).pad_to
+            logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan, pad_to)
             greedy = None
         n = host.num_sampled
         if n == 0 and plan is None:
@@ -462,14 +478,17 @@ class ModelRunner:
             self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
 
-    def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan):
+    def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled
-        rows): graphs size their logits rows for sampling only, so such steps skip them."""
+        rows): graphs size their logits rows for sampling only, so such steps skip them.
+        ``pad_to``: the token count the data-parallel-attention ranks agreed on."""
         reason = "prompt_logprobs"
         self.graphs.stats.fallback(reason)
+        if pad_to:
+            host = host.padded(pad_to, self.buffers.scratch_slot)
         batch = to_device(host, self.last_token, self.buffers.slot_tables, self.device,
                           not self.attn.graph_safe)
         rows = torch.cat([batch.logits_indices, plan.rows])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
         logits = self.model.compute_logits(hidden)
-        return logits, batch, Dispatch("eager", reason=reason), host.num_tokens
+        return logits, batch, Dispatch("eager", reason=reason, pad_to=pad_to), host.num_tokens

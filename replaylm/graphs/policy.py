@@ -47,11 +47,13 @@ DEFAULT_GPU_MODE = "ragged"
 class Dispatch:
     """How one step runs: ``mode`` is the runner (``eager``, ``full``, ``piecewise`` or
     ``ragged``), ``tier`` the padded size of its graph, ``reason`` why a step that could
-    have used a graph ran eagerly."""
+    have used a graph ran eagerly. ``pad_to``: the token count an eager step pads to when
+    every rank's model must run the same shapes (data-parallel attention; 0: unpadded)."""
 
     mode: str
     tier: int | None = None
     reason: str | None = None
+    pad_to: int = 0
 
     @property
     def graphed(self) -> bool:

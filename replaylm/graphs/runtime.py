@@ -7,10 +7,16 @@ that fit run on those buffers too. This module also keeps the statistics (hits p
 fallbacks and why, real against padded tokens, nodes, capture time and memory) and, every
 ``graph_check`` graph steps, re-runs a replayed step eagerly on the same padded batch and
 demands bit-identical results.
+
+With ``pad_to_agreed`` (data-parallel attention: the model's MLP collectives span the
+data-parallel ranks) every rank's model must run the same token count every step: graph
+steps replay the agreed tier anyway; eager steps pad to the agreed token count (the largest
+rank's), and a rank with no work runs the padded step too, eagerly or as a graph replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -55,8 +61,9 @@ class GraphStats:
     graph_mib: float = 0.0
     checks: int = 0
     # Data-parallel tier agreement (zero on a single engine): steps agreed, seconds spent in
-    # the agreement, tokens of padding it added (tier beyond what this rank alone would
-    # have run), and dummy steps ("mode:tier" -> steps) a rank with no work replayed.
+    # the agreement, tokens of padding it added (tier, or under data-parallel attention the
+    # agreed eager size, beyond what this rank alone would have run), and dummy steps
+    # ("mode:tier" -> steps; "eager" for padded eager steps) a rank with no work ran.
     agreement_steps: int = 0
     agreement_seconds: float = 0.0
     agreement_padded_tokens: int = 0
@@ -98,9 +105,10 @@ class GraphRuntime:
     def __init__(self, model: CausalLM, policy: GraphPolicy, device: torch.device, *,
                  max_num_seqs: int, max_blocks: int, max_model_len: int,
                  host_attn_lengths: bool, eager_tokens: int, graph_check: int = 0,
-                 rows_per_req: int = 1) -> None:
+                 rows_per_req: int = 1, pad_to_agreed: bool = False) -> None:
         self.model, self.policy, self.device = model, policy, device
         self.mode = policy.mode
+        self.pad_to_agreed = pad_to_agreed
         self.host_attn_lengths = host_attn_lengths
         self.graph_check = graph_check
         self.stats = GraphStats()
@@ -184,7 +192,8 @@ class GraphRuntime:
                  can_graph: bool = True, agree: Agree | None = None) -> Dispatch:
         """The policy's dispatch of this step; with ``agree`` (data parallel), of the values
         every rank agreed on, so all ranks run the same mode and tier. ``can_graph=False``
-        (a step that must run eagerly) makes every rank run eagerly."""
+        (a step that must run eagerly) makes every rank run eagerly; with ``pad_to_agreed``
+        an eager step's ``pad_to`` is the agreed token count."""
         if agree is None:
             return self.policy.dispatch(num_tokens, num_reqs, uniform_decode)
         s = self.stats
@@ -194,9 +203,12 @@ class GraphRuntime:
         s.agreement_steps += 1
         if tokens == 0:
             return Dispatch("eager")  # no rank has work
-        if not graphable:
-            return Dispatch("eager", reason="a data-parallel rank runs this step eagerly")
-        d = self.policy.dispatch(tokens, reqs, uniform)
+        d = (self.policy.dispatch(tokens, reqs, uniform) if graphable else
+             Dispatch("eager", reason="a data-parallel rank runs this step eagerly"))
+        if not d.graphed and self.pad_to_agreed:
+            if num_tokens:
+                s.agreement_padded_tokens += tokens - num_tokens
+            return dataclasses.replace(d, pad_to=tokens)
         if d.graphed and num_tokens:
             own = self.policy.dispatch(num_tokens, num_reqs, uniform_decode)
             s.agreement_padded_tokens += max(0, d.tier - (own.tier if own.graphed else num_tokens))
@@ -204,20 +216,38 @@ class GraphRuntime:
 
     def run_idle(self, agree: Agree) -> Dispatch:
         """A data-parallel rank with no work: agree with the others and, when they replay a
-        graph, replay the same graph on an all-padding batch (never eagerly). An eager step
-        needs nothing from this rank."""
+        graph, replay the same graph on an all-padding batch (graph-checked on the same steps
+        as theirs). An eager step needs nothing from this rank unless it is padded
+        (``pad_to_agreed``): then it runs the agreed size eagerly, all padding."""
         d = self.dispatch(0, 0, True, True, agree)
+        s = self.stats
+        if d.pad_to:
+            s.dummy_steps["eager"] = s.dummy_steps.get("eager", 0) + 1
+            s.agreement_padded_tokens += d.pad_to
+            host = HostBatch.empty().padded(d.pad_to, self.buffers.scratch_slot)
+            run_whole_model(self.model, self.buffers, self.eager_batch(host))
+            return d
         if not d.graphed:
             return d
         key = f"{d.mode}:{d.tier}"
-        self.stats.dummy_steps[key] = self.stats.dummy_steps.get(key, 0) + 1
-        self.stats.agreement_padded_tokens += d.tier
+        s.dummy_steps[key] = s.dummy_steps.get(key, 0) + 1
+        s.agreement_padded_tokens += d.tier
+        check = self._check_label(key)
         host = HostBatch.empty()
         if d.mode == "piecewise":
-            self.piecewise.run(host, d.tier)
+            self.piecewise.run(host, d.tier, check)
         else:
-            self.whole.run(host, d.mode, d.tier)
+            self.whole.run(host, d.mode, d.tier, check)
         return d
+
+    def _check_label(self, key: str) -> str | None:
+        """Count a graph step (every rank counts the same steps, busy or idle, so under data
+        parallelism all ranks check the same ones); the check's label when this one is due."""
+        self.graph_steps += 1
+        if self.graph_check > 0 and self.graph_steps % self.graph_check == 0:
+            self.stats.checks += 1
+            return f"mode {self.mode}, graph {key}"
+        return None
 
     def run(self, host: HostBatch, agree: Agree | None = None,
             eager_reason: str | None = None) -> StepResult:
@@ -232,6 +262,8 @@ class GraphRuntime:
         if not d.graphed:
             if d.reason:
                 s.fallback(d.reason)
+            if d.pad_to:
+                host = host.padded(d.pad_to, self.buffers.scratch_slot)
             batch = self.eager_batch(host)
             logits, greedy = run_whole_model(self.model, self.buffers, batch)
             return StepResult(logits, greedy, batch, d, host.num_tokens)
@@ -239,11 +271,7 @@ class GraphRuntime:
         s.hits[key] = s.hits.get(key, 0) + 1
         s.real_tokens += host.num_tokens - host.layout_pad_tokens
         s.padded_tokens += d.tier
-        self.graph_steps += 1
-        check = None
-        if self.graph_check > 0 and self.graph_steps % self.graph_check == 0:
-            check = f"mode {self.mode}, graph {key}"
-            s.checks += 1
+        check = self._check_label(key)
         if d.mode == "piecewise":
             logits, batch = self.piecewise.run(host, d.tier, check)
             greedy = argmax_rows(logits, self.last_token, batch.sample_slots)

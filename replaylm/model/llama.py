@@ -29,7 +29,7 @@ from replaylm.batch import AttentionMetadata
 from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
-from replaylm.model.parallel import TensorParallel
+from replaylm.model.parallel import DataParallelAttention, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -42,13 +42,17 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     """One decoder layer; with ``tp`` its ``cfg`` holds one rank's heads and MLP width
     (``model.parallel``) and the row-parallel o_proj and down_proj outputs are all-reduced
-    (a sparse layer's whole MoE block once, after its routed and shared branches join)."""
+    (a sparse layer's whole MoE block once, after its routed and shared branches join).
+    With ``dp`` (data-parallel attention) it holds every head and one rank's MLP width: the
+    MLP runs on every rank's tokens, all-gathered, and reduce-scatters its output."""
 
-    def __init__(self, cfg: ModelConfig, index: int = 0, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0, tp: TensorParallel | None = None,
+                 dp: DataParallelAttention | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.cfg = cfg
         self.tp = tp
+        self.dp = dp
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         if cfg.qk_norm:
@@ -93,41 +97,56 @@ class DecoderLayer(nn.Module):
         """o_proj, residual add + norm, MLP; returns ``(mlp_out, residual)`` (add deferred).
         Biases (``attention_bias`` / ``mlp_bias`` checkpoints) go through the projections;
         a biased down_proj runs SiLU·mul and the projection apart (``silu_linear`` has none).
-        A sparse layer's MLP is its routed experts (``model.moe``)."""
+        A sparse layer's MLP is its routed experts (``model.moe``). With data-parallel
+        attention the normed rows of every rank (``[ranks * T, hidden]``) go through this
+        rank's MLP slice and each rank keeps the sum of its own ``T`` rows."""
         k = self.kernels or ref
         hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias)
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
+        norm_weight, eps = self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
         if self.moe is not None:
-            normed, residual = k.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
-                                              self.cfg.rms_norm_eps)
+            normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
             out = self.moe(normed, self.kernels)  # this rank's routed + shared partial sum
             return (out if self.tp is None else self.tp.all_reduce(out)), residual
-        gate_up, residual = k.norm_linear(hidden, residual, self.post_attention_layernorm.weight,
-                                          self.cfg.rms_norm_eps, self.gate_up_proj.weight,
-                                          self.gate_up_proj.bias)
+        if self.dp is not None:
+            normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
+            rows = self.dp.gather_rows(normed)
+            gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            return self.dp.scatter_sum(self._down(gate_up, k)), residual
+        gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
+                                          self.gate_up_proj.weight, self.gate_up_proj.bias)
+        out = self._down(gate_up, k)
+        return (out if self.tp is None else self.tp.all_reduce(out)), residual
+
+    def _down(self, gate_up: torch.Tensor, k) -> torch.Tensor:
+        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)."""
         down = self.down_proj
         if down.bias is None:
-            out = k.silu_linear(gate_up, down.weight)
-        else:
-            out = k.linear(k.silu_and_mul(gate_up), down.weight, down.bias)
-        return (out if self.tp is None else self.tp.all_reduce(out)), residual
+            return k.silu_linear(gate_up, down.weight)
+        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias)
 
 
 class CausalLM(nn.Module):
     """The decoder plus LM head. KV caches and the attention backend are bound by the runner.
 
     With ``tp`` (tensor parallel) ``cfg`` is this rank's shard (``model.parallel.shard_config``)
-    and the embedding and LM head hold its ``tp.vocab_rows`` rows of the vocabulary.
+    and the embedding and LM head hold its ``tp.vocab_rows`` rows of the vocabulary. With
+    ``dp`` (data-parallel attention, ``model.parallel.dp_attention_config``) only the MLP is
+    split; the embedding and LM head are whole on every rank, which embeds and samples its
+    own tokens.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None,
+                 dp: DataParallelAttention | None = None) -> None:
         super().__init__()
+        assert tp is None or dp is None, "tensor parallelism or data-parallel attention"
         self.cfg = cfg
         self.tp = tp
+        self.dp = dp
         vocab_rows = cfg.vocab_size if tp is None else tp.vocab_rows(cfg.vocab_size)
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, vocab_rows, bias=False

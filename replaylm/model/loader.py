@@ -7,7 +7,8 @@ shards and, in MoE layers, each expert's slice of the packed expert tensors.
 With tensor parallelism (``model.parallel``) each rank reads only its slices of the
 checkpoint: ``iter_checkpoint_slices`` yields safetensors' lazy slices and ``load_weights``
 reads from each the rows (column-parallel, vocabulary) or columns (row-parallel) the rank
-holds, after checking the tensor's full shape.
+holds, after checking the tensor's full shape. With data-parallel attention a rank reads its
+slice of gate | up and down only (``dp_attention_slice``) and everything else whole.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 from replaylm.env import cache_dir
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
-from replaylm.model.parallel import TensorParallel
+from replaylm.model.parallel import DataParallelAttention, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,10 @@ def target_of(name: str, cfg: ModelConfig) -> Target | None:
 
 
 def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> CausalLM:
+                tp: TensorParallel | None = None,
+                dp: DataParallelAttention | None = None) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg, tp)
+        model = CausalLM(cfg, tp, dp)
     return model.to_empty(device=device).to(dtype)
 
 
@@ -150,19 +152,20 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
     """Copy checkpoint tensors into the model, checking every shape; all parameters must load.
 
     Tensors are ``torch.Tensor``s or safetensors slices. A tensor-parallel model
-    (``model.tp``) takes its rank's part of each; ``full_cfg`` is then the whole model's
-    config, whose shapes the checkpoint must have.
+    (``model.tp``) or a data-parallel-attention one (``model.dp``) takes its rank's part of
+    each; ``full_cfg`` is then the whole model's config, whose shapes the checkpoint must
+    have.
     """
     cfg = model.cfg
-    tp = model.tp
+    tp, dp = model.tp, model.dp
     full_cfg = full_cfg or cfg
     params = dict(model.named_parameters())
     pending = {n: _pieces(cfg, n, p) for n, p in params.items()}
     full_shapes = None
-    if tp is not None:
+    if tp is not None or dp is not None:
         with torch.device("meta"):
             full_shapes = {n: tuple(p.shape) for n, p in CausalLM(full_cfg).named_parameters()}
-        for name in ("embed_tokens.weight", "lm_head.weight"):
+        for name in ("embed_tokens.weight", "lm_head.weight") if tp is not None else ():
             if name in params:
                 params[name].data.zero_()  # the vocabulary padding rows stay zero
     for name, tensor in tensors:
@@ -195,10 +198,13 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
                 f"checkpoint tensor {name} has shape {list(shape)} but the model expects "
                 f"{list(expected)} (for {pname}{where})"
             )
-        if tp is None:
-            dst.copy_(_read(tensor))
+        if tp is not None:
+            part = tp_slice(pname, shard, tp, full_cfg, cfg, stacked=expert is None)
+            _load_rank_part(dst, tensor, part, tp.rank)
+        elif dp is not None:
+            _load_rank_part(dst, tensor, dp_attention_slice(pname, dp, cfg), dp.rank)
         else:
-            _load_rank_part(dst, tensor, pname, shard, expert is None, tp, full_cfg, cfg)
+            dst.copy_(_read(tensor))
         pending[pname] = {(e, s) for e, s in pending[pname]
                           if not ((expert is None or e == expert) and (shard is None or s == shard))}
     missing = sorted(n for n, left in pending.items() if left)
@@ -265,14 +271,28 @@ def tp_slice(pname: str, shard: int | None, tp: TensorParallel, full: ModelConfi
     return None
 
 
-def _load_rank_part(dst: torch.Tensor, tensor: Any, pname: str, shard: int | None,
-                    stacked: bool, tp: TensorParallel, full: ModelConfig,
-                    local: ModelConfig) -> None:
-    part = tp_slice(pname, shard, tp, full, local, stacked)
+def dp_attention_slice(pname: str, dp: DataParallelAttention, local: ModelConfig
+                       ) -> list[Part] | str | None:
+    """Which part of a checkpoint tensor a data-parallel-attention rank loads into ``pname``
+    (as ``tp_slice``): its rows of gate | up, its columns of down (the bias on rank 0 alone),
+    everything else whole."""
+    parts = pname.split(".")
+    module = parts[-2] if len(parts) > 1 else ""
+    width = local.intermediate_size
+    if module == "gate_up_proj":
+        return [(0, dp.rank * width, width)]
+    if module == "down_proj":
+        return [(1, dp.rank * width, width)] if parts[-1] == "weight" else "rank0"
+    return None
+
+
+def _load_rank_part(dst: torch.Tensor, tensor: Any, part: list[Part] | str | None,
+                    rank: int) -> None:
+    """Copy ``part`` of ``tensor`` (``tp_slice``, ``dp_attention_slice``) into ``dst``."""
     if part is None:
         dst.copy_(_read(tensor))
     elif part == "rank0":
-        if tp.rank == 0:
+        if rank == 0:
             dst.copy_(_read(tensor))
         else:
             dst.zero_()
@@ -319,14 +339,16 @@ def load_model(
     seed: int,
     tp: TensorParallel | None = None,
     full_cfg: ModelConfig | None = None,
+    dp: DataParallelAttention | None = None,
 ) -> CausalLM:
-    """The model with its weights; with ``tp``, ``cfg`` is this rank's shard of ``full_cfg``
-    and only the rank's slices are read (dummy weights are then random per shard)."""
-    model = build_empty(cfg, dtype, device, tp)
+    """The model with its weights; with ``tp`` or ``dp``, ``cfg`` is this rank's shard of
+    ``full_cfg`` and only the rank's slices are read (dummy weights are then random per
+    shard)."""
+    model = build_empty(cfg, dtype, device, tp, dp)
     use_dummy = load_format == "dummy" or model_dir is None
     if use_dummy:
         init_dummy(model, seed)
-    elif tp is None:
+    elif tp is None and dp is None:
         load_weights(model, iter_checkpoint(checkpoint_files(model_dir)))
     else:
         load_weights(model, iter_checkpoint_slices(checkpoint_files(model_dir)), full_cfg)

@@ -22,6 +22,14 @@ Every collective goes through :func:`all_reduce` and :func:`all_gather` below (t
 gloo on CPU, NCCL on CUDA, inside captured graphs) or ``TensorParallel.all_reduce``, whose
 ``reducer`` may run a message on torch's symmetric memory instead (``model.allreduce``,
 ``EngineArgs.all_reduce_backend``); a model with no ``TensorParallel`` calls none of them.
+
+Data-parallel attention (``EngineArgs.enable_dp_attention``, :class:`DataParallelAttention`)
+splits only the dense MLP across the data-parallel ranks: each rank keeps every attention
+head, its own KV pool, the whole embedding and LM head, and holds ``intermediate_size / M``
+of gate | up and down. Per layer the ranks' normed hidden states, each padded to the token
+count all ranks agreed on, are all-gathered (:func:`all_gather_into`), the MLP slice runs on
+all of them, and :func:`reduce_scatter` sums the partial outputs and hands each rank its own
+rows back.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from replaylm.model.config import ModelConfig
 
 # torch >= 2.13 names it all_gather_single; earlier releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -50,6 +60,22 @@ def all_gather(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> t
     out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x.contiguous(), group=group)
     return out.view(size, *x.shape)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
+                    ) -> torch.Tensor:
+    """Every rank's ``x`` laid end to end along dim 0 in rank order, into ``out``
+    (``[size * x.shape[0], *x.shape[1:]]``); returns ``out``."""
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` (``[size * rows, ...]``) summed across the group's ranks; returns this rank's
+    block of ``rows`` rows (rank ``r`` gets rows ``r·rows .. (r+1)·rows - 1``)."""
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
 
 
 @dataclass(frozen=True)
@@ -129,3 +155,43 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         intermediate_size=cfg.intermediate_size // size,  # unused without dense layers
         moe_intermediate_size=cfg.moe_intermediate_size // size,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // size)
+
+
+@dataclass(frozen=True)
+class DataParallelAttention:
+    """This rank's place among the data-parallel ranks whose dense MLP is tensor-parallel
+    (``EngineArgs.enable_dp_attention``), and the MLP's two collectives. Every rank calls
+    them with the same row count each step: the token count the ranks agreed on."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[size * T, ...]``: every rank's ``T`` rows of ``x``, in rank order."""
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        return all_gather_into(out, x, self.group)
+
+    def scatter_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]``: this rank's rows of ``x`` (``[size * T, ...]``) summed over ranks."""
+        return reduce_scatter(x, self.size, self.group)
+
+
+def check_dp_attention(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming ``enable_dp_attention`` if ``cfg``'s MLP cannot be split
+    across ``size`` data-parallel ranks."""
+    field = f"EngineArgs.enable_dp_attention=True with data_parallel_size={size}"
+    if cfg.num_experts:
+        raise ValueError(f"{field} is not supported for MoE models ({cfg.architecture}): "
+                         "their MLP is routed experts; run them without enable_dp_attention")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"{field}: {size} ranks do not divide the model's intermediate_size "
+                         f"{cfg.intermediate_size}")
+
+
+def dp_attention_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The shapes one data-parallel-attention rank holds: every head and the whole
+    vocabulary, ``intermediate_size / size`` of the MLP."""
+    check_dp_attention(cfg, size)
+    return dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // size)
