@@ -123,14 +123,23 @@ class ControlledDrafter:
         self.refs, self.p, self.vocab = references, p, vocab_size
         self.rng = np.random.default_rng(seed)
         self.diverged: set[tuple[int, ...]] = set()
-        self.right: dict[int, np.ndarray] = {}  # id(request) -> its latest drafts' marks
+        self.right: dict[int, list[bool]] = {}  # id(request) -> its latest drafts' marks
         self.proposals = 0
         self.expected_accepted = 0.0
 
     def propose(self, requests: Sequence[Any], max_lens: Sequence[int]) -> list[list[int]]:
-        return [self._draft(r, k) for r, k in zip(requests, max_lens)]
+        # One draw of every request's randomness: this runs on the host every step.
+        n, k = len(requests), max(max_lens, default=0)
+        if not n or k < 1:
+            return [[] for _ in requests]
+        right = (self.rng.random((n, k)) < self.p).tolist()
+        shift = self.rng.integers(1, self.vocab, (n, k)).tolist()
+        noise = self.rng.integers(0, self.vocab, (n, k)).tolist()
+        return [self._draft(r, m, right[i], shift[i], noise[i])
+                for i, (r, m) in enumerate(zip(requests, max_lens))]
 
-    def _draft(self, req: Any, k: int) -> list[int]:
+    def _draft(self, req: Any, k: int, right: list[bool], shift: list[int],
+               noise: list[int]) -> list[int]:
         key = tuple(req.prompt_token_ids)
         ref = self.refs.get(key)
         out = req.output_token_ids
@@ -138,15 +147,12 @@ class ControlledDrafter:
             return []
         if key not in self.diverged and ref[:len(out)] != out:
             self.diverged.add(key)
-        if key in self.diverged:
-            draft = self.rng.integers(0, self.vocab, k).tolist()
-        else:
-            draft = list(ref[len(out): len(out) + k])
+        draft = noise[:k] if key in self.diverged else ref[len(out): len(out) + k]
         if not draft:
             return []
-        right = self.rng.random(len(draft)) < self.p
-        for j in np.flatnonzero(~right):
-            draft[j] = int((draft[j] + 1 + self.rng.integers(0, self.vocab - 1)) % self.vocab)
+        right = right[:len(draft)]
+        vocab = self.vocab
+        draft = [d if ok else (d + s) % vocab for d, ok, s in zip(draft, right, shift)]
         self.right[id(req)] = right
         self.proposals += 1
         self.expected_accepted += sum(self.p ** j for j in range(1, len(draft) + 1))
@@ -160,7 +166,7 @@ class ControlledDrafter:
         """How many of a shadow proposal's drafts the verify would have accepted (the
         adaptive budget's coasting, ``spec.adaptive``): the leading ones left right."""
         right = self.right[id(req)][:len(drafts)]
-        return len(right) if right.all() else int(np.argmin(right))
+        return right.index(False) if False in right else len(right)
 
     def acceptance(self, out: Any, state: Any) -> Any:
         """``ModelRunner.verify_accept``: each draft row's token becomes its draft when the
@@ -176,7 +182,7 @@ class ControlledDrafter:
             if k:
                 rows += range(row, row + k)
                 drafts += s.drafts
-                right += self.right[id(s.request)][:k].tolist()
+                right += list(self.right[id(s.request)][:k])
             row += k + 1
         if not rows:
             return None

@@ -5,41 +5,68 @@ tokens are searched for earlier in the request (prompt and output); the first ``
 match wins, and among its matches the most recent one followed by at least the length
 asked (else the earliest, which has the longest continuation). The draft is what followed
 that match, up to the length asked; no match gives an empty draft.
+
+The drafter runs on the host every step for every decoding request, so each request keeps
+an index of where each of its n-grams starts, extended by the tokens it gained since the
+last call: a proposal costs a few dictionary lookups, not a scan of the request.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from typing import Any
+from weakref import WeakKeyDictionary
 
 from replaylm.spec.drafter import DraftRequest
 
 
-def ngram_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to ``k`` tokens continuing ``tokens`` by its longest earlier repeated suffix."""
-    total = len(tokens)
-    if k < 1 or total < n_min + 1:
+class NgramIndex:
+    """Start positions of every ``n``-gram (``n_min <= n <= n_max``) of a token sequence
+    that only grows, for the n-grams ending before its last token."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {
+            n: {} for n in range(n_min, n_max + 1)}
+        self.indexed = 0  # n-grams ending at positions < indexed are in ``starts``
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams of ``tokens`` that end before its last token."""
+        for end in range(self.indexed, len(tokens) - 1):
+            for n, table in self.starts.items():
+                start = end - n + 1
+                if start >= 0:
+                    table.setdefault(tuple(tokens[start:end + 1]), []).append(start)
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing ``tokens`` by its longest earlier repeated suffix
+        (``extend`` first)."""
+        total = len(tokens)
+        for n in sorted((n for n in self.starts if n <= total - 1), reverse=True):
+            hits = self.starts[n].get(tuple(tokens[total - n:]))
+            if hits:
+                i = bisect_right(hits, total - n - k) - 1  # the latest with k tokens after
+                start = (hits[i] if i >= 0 else hits[0]) + n
+                return list(tokens[start:start + k])
         return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = arr[total - n:]
-        # Windows starting at 0 .. total - n - 1: every earlier occurrence (overlaps allowed).
-        windows = sliding_window_view(arr[: total - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            whole = hits[hits + n + k <= total]
-            start = int(whole[-1] if len(whole) else hits[0]) + n
-            return arr[start: start + k].tolist()
-    return []
 
 
 class NgramDrafter:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
+        self._indexes: WeakKeyDictionary[Any, NgramIndex] = WeakKeyDictionary()
 
     def propose(self, requests: Sequence[DraftRequest], max_lens: Sequence[int]
                 ) -> list[list[int]]:
-        return [ngram_draft(r.all_token_ids, k, self.n_min, self.n_max)
-                for r, k in zip(requests, max_lens)]
+        return [self._draft(r, k) for r, k in zip(requests, max_lens)]
+
+    def _draft(self, req: DraftRequest, k: int) -> list[int]:
+        tokens = req.all_token_ids
+        if k < 1 or len(tokens) < self.n_min + 1:
+            return []
+        index = self._indexes.get(req)
+        if index is None or index.indexed > len(tokens) - 1:
+            index = self._indexes[req] = NgramIndex(self.n_min, self.n_max)
+        index.extend(tokens)
+        return index.draft(tokens, k)

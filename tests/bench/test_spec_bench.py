@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -103,8 +102,8 @@ def test_controlled_drafter_hits_its_rate_and_imposes_acceptance():
     a, b, c = Req([1, 2], ref[:5]), Req([1, 2], ref[:5]), Req([1, 2], ref[:5] + [0])
     (da,), (dc,) = d.propose([a], [3]), d.propose([c], [2])
     assert d.diverged == {(1, 2)} and len(dc) == 2  # C left its reference: random drafts
-    d.right[id(a)] = np.array([True, False, True])
-    d.right[id(c)] = np.array([True, True])
+    d.right[id(a)] = [True, False, True]
+    d.right[id(c)] = [True, True]
     sched = [SimpleNamespace(sample=True, drafts=da, request=a),
              SimpleNamespace(sample=True, drafts=[], request=b),
              SimpleNamespace(sample=False, drafts=[], request=None),  # a prefill chunk

@@ -10,7 +10,7 @@ import torch
 from replaylm.config import EngineArgs
 from replaylm.spec.acceptance import emitted_rows
 from replaylm.spec.config import SpecConfig
-from replaylm.spec.ngram import NgramDrafter, ngram_draft
+from replaylm.spec.ngram import NgramDrafter
 
 
 @pytest.mark.parametrize("cfg, needle", [
@@ -64,23 +64,58 @@ def test_cli_takes_speculative_config_as_json():
         parser.parse_args(["--speculative-config", "{not json"])
 
 
+def _lookup(tokens, k, n_min, n_max):
+    """The prompt-lookup rule, spelled out: for n from n_max down, the earlier occurrences of
+    the last n tokens; the latest followed by k tokens, else the earliest."""
+    total = len(tokens)
+    if k < 1 or total < n_min + 1:
+        return []
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        hits = [i for i in range(total - n) if tokens[i:i + n] == tokens[total - n:]]
+        if hits:
+            whole = [i for i in hits if i + n + k <= total]
+            start = (whole[-1] if whole else hits[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+class _Req:
+    def __init__(self, t):
+        self.all_token_ids = t
+
+
+def _ngram(toks, k, n_min, n_max):
+    return NgramDrafter(n_min, n_max).propose([_Req(toks)], [k])[0]
+
+
 def test_ngram_takes_the_longest_then_latest_match():
     # Suffix [1, 2, 3]: its 3-gram occurs at 0 (then 9) and the 1-gram 3 later at 6 (then 7).
     toks = [1, 2, 3, 9, 5, 4, 3, 7, 8, 1, 2, 3]
-    assert ngram_draft(toks, 2, 1, 3) == [9, 5]
-    assert ngram_draft(toks, 2, 1, 1) == [7, 8]  # only 1-grams: the latest 3 is at 6
-    assert ngram_draft(toks, 6, 1, 1) == [9, 5, 4, 3, 7, 8]  # the latest with 6 tokens after
-    assert ngram_draft(toks, 5, 4, 4) == []  # no earlier 4-gram match
+    assert _ngram(toks, 2, 1, 3) == [9, 5]
+    assert _ngram(toks, 2, 1, 1) == [7, 8]  # only 1-grams: the latest 3 is at 6
+    assert _ngram(toks, 6, 1, 1) == [9, 5, 4, 3, 7, 8]  # the latest with 6 tokens after
+    assert _ngram(toks, 5, 4, 4) == []  # no earlier 4-gram match
     # No match has k tokens after it: the earliest, whose continuation is the longest.
-    assert ngram_draft([1, 2, 1, 2, 1], 10, 1, 2) == [2, 1]
-    assert ngram_draft([7, 7, 7, 7], 4, 1, 1) == [7, 7, 7]
-    assert ngram_draft([4, 4], 0, 1, 2) == [] and ngram_draft([4], 3, 1, 2) == []
-
-    class R:
-        def __init__(self, t):
-            self.all_token_ids = t
-    drafts = NgramDrafter(1, 3).propose([R(toks), R([5, 6, 7])], [2, 3])
+    assert _ngram([1, 2, 1, 2, 1], 10, 1, 2) == [2, 1]
+    assert _ngram([7, 7, 7, 7], 4, 1, 1) == [7, 7, 7]
+    assert _ngram([4, 4], 0, 1, 2) == [] and _ngram([4], 3, 1, 2) == []
+    drafts = NgramDrafter(1, 3).propose([_Req(toks), _Req([5, 6, 7])], [2, 3])
     assert drafts == [[9, 5], []]
+
+
+def test_ngram_index_grows_with_the_request():
+    """A request's index, extended token by token across calls, drafts what the rule says
+    on the whole sequence every time (random sequences over a small vocabulary)."""
+    g = torch.Generator().manual_seed(5)
+    for n_min, n_max in ((1, 3), (2, 4), (1, 1)):
+        drafter = NgramDrafter(n_min, n_max)
+        req = _Req([])
+        for _ in range(120):
+            req.all_token_ids = req.all_token_ids + torch.randint(
+                0, 4, (int(torch.randint(1, 3, (1,), generator=g)),), generator=g).tolist()
+            k = int(torch.randint(0, 6, (1,), generator=g))
+            toks = req.all_token_ids
+            assert drafter.propose([req], [k]) == [_lookup(toks, k, n_min, n_max)], (toks, k)
 
 
 def test_emitted_rows_stop_after_the_first_mismatch():
