@@ -410,7 +410,8 @@ def test_an_moe_layer_all_reduces_once_after_both_branches(moe):
     full = load_model(cfg, path, "auto", torch.float32, cpu, 0)
     threads = _ThreadGroup(2)
     ranks = [load_model(shard_config(cfg, 2), path, "auto", torch.float32, cpu, 0,
-                        _ThreadTP(r, 2, None, cfg.num_kv_heads, threads), cfg) for r in range(2)]
+                        _ThreadTP(r, 2, None, cfg.num_kv_heads, threads=threads), cfg)
+              for r in range(2)]
     g = torch.Generator().manual_seed(0)
     attn = torch.randn(5, cfg.num_heads, cfg.head_dim, generator=g)
     residual = torch.randn(5, cfg.hidden_size, generator=g)
