@@ -21,9 +21,10 @@ PROMPTS = [(s * 5)[: 4 + 3 * len(s)] for s in SPANS]
 
 
 def _seeded(n: int) -> list[SamplingParams]:
-    """Seeded random sampling with penalties (verify rows count the drafts before them)."""
-    return [SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=i,
-                           presence_penalty=0.5, frequency_penalty=0.3, ignore_eos=True)
+    """Seeded random sampling with strong penalties (verify rows count the drafts before
+    them; a rank whose output counts differ samples other tokens)."""
+    return [SamplingParams(max_tokens=16, temperature=1.0, top_k=5, seed=i,
+                           presence_penalty=2.0, frequency_penalty=1.0, ignore_eos=True)
             for i in range(n)]
 
 
@@ -92,25 +93,32 @@ def test_ngram_tp2_matches_tp1(target, plain, ngram_seeded, mode, verify):
         assert graphs["checks"] > 0 and sum(graphs["hits"].values()) > 0
 
 
-def test_draft_model_tp2_matches_tp1(target, near, plain):
-    """The draft model runs unsharded on the leader. Greedy: plain decoding's tokens.
-    Seeded sampling with penalties goes through rejection sampling on the leader; the
-    drafts stop at a low confidence, so some steps decode without drafts and feed the next
-    step from each rank's ``last_token``: a follower whose kept tokens or penalty counts
-    differed from the leader's would corrupt the shared activations."""
-    spec = {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3,
-            "draft_confidence": 0.02}
-    single = LLM(str(target), speculative_config=spec, **_kw("eager"))
-    want_seeded = _tokens(single, _seeded(len(PROMPTS)))
+def test_draft_model_tp2_greedy_matches_plain_tp1(target, near, plain):
+    """The draft model runs unsharded on the leader; greedy verifies accept by exact match
+    on every rank: plain decoding's tokens, drafts accepted."""
+    spec = {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}
     with LLM(str(target), tensor_parallel_size=2, speculative_config=spec,
              **_kw_spec("ragged")) as llm:
         assert _tokens(llm) == plain
         st = llm.spec_stats()
-        assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
-        assert st["draft_forwards_per_step"] > 0
-        before = st["rejections"]
-        assert _tokens(llm, _seeded(len(PROMPTS))) == want_seeded
-        st = llm.spec_stats()
         graphs = llm.graph_stats()
-    assert st["rejections"] > before  # rejection sampling replaced some rows
+    assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
+    assert st["draft_forwards_per_step"] > 0
     assert graphs["checks"] > 0
+
+
+def test_draft_model_tp2_rejection_sampling_matches_tp1(target, near):
+    """Seeded sampling with penalties goes through rejection sampling on the leader, which
+    broadcasts the kept tokens. Drafts stop below a confidence (0.25: about the median top
+    probability of these requests' draft distributions), so some steps decode without drafts
+    and feed the next step from each rank's ``last_token``: a follower whose kept tokens or
+    penalty counts differed from the leader's would corrupt the shared activations."""
+    spec = {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3,
+            "draft_confidence": 0.25}
+    single = LLM(str(target), speculative_config=spec, **_kw("eager"))
+    want = _tokens(single, _seeded(len(PROMPTS)))
+    with LLM(str(target), tensor_parallel_size=2, speculative_config=spec,
+             **_kw_spec("ragged")) as llm:
+        assert _tokens(llm, _seeded(len(PROMPTS))) == want
+        st = llm.spec_stats()
+    assert st["rejections"] > 0 and st["accepted_tokens"] > 0  # the rule replaced some rows
