@@ -28,6 +28,10 @@ Acceptance (``acceptance``): a greedy request's drafts take the engine's exact-m
 by ``rejection_sample`` of the target's distribution ``p`` against the stored ``q``: accepted
 with probability min(1, p/q), else a draw from the residual; its bonus row is sampled as
 plain decoding samples it. Everything after ``propose``'s copy runs on the device.
+
+Under tensor parallel the draft model runs unsharded on the group's leader alone (no
+collectives); the leader broadcasts the tokens its acceptance kept to the other ranks
+(``ModelRunner.execute``).
 """
 
 from __future__ import annotations

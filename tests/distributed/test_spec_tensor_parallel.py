@@ -122,3 +122,17 @@ def test_draft_model_tp2_rejection_sampling_matches_tp1(target, near):
         assert _tokens(llm, _seeded(len(PROMPTS))) == want
         st = llm.spec_stats()
     assert st["rejections"] > 0 and st["accepted_tokens"] > 0  # the rule replaced some rows
+
+
+def test_ngram_tp2_by_dp2_matches_plain_tp1(target, plain):
+    """Two data-parallel ranks, each a tensor-parallel group of two: each leader drafts and
+    verifies its own requests, the groups meet in the tier agreement, and the driver sums
+    the leaders' counters."""
+    with LLM(str(target), tensor_parallel_size=2, data_parallel_size=2, speculative_config=NGRAM,
+             **_kw_spec("ragged")) as llm:
+        assert len(llm.engine.procs) == 4
+        assert _tokens(llm) == plain
+        st = llm.spec_stats()
+        ranks = llm.graph_stats()["ranks"]
+    assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
+    assert ranks[0]["agreement_steps"] == ranks[1]["agreement_steps"] > 0
