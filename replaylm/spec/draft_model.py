@@ -163,7 +163,7 @@ def load_draft_runner(args: EngineArgs, spec: SpecConfig, target: ModelConfig,
         args, model=spec.model, speculative_config=None, num_kv_blocks=None,
         enable_prefix_caching=False, skip_tokenizer_init=True, tokenizer=None,
         max_model_len=max_model_len, tensor_parallel_size=1, data_parallel_size=1,
-        all_reduce_backend="nccl")  # unsharded: the draft model calls no collective
+        all_reduce_backend="nccl", enable_dp_attention=False)  # unsharded, no collective
     try:
         cfg, model_dir = load_model_config(spec.model)  # type: ignore[arg-type]
     except (FileNotFoundError, ValueError) as e:
