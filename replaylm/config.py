@@ -175,9 +175,6 @@ class EngineArgs:
         _check_all_reduce_backend(self)
         if self.enable_dp_attention:
             _check_dp_attention(self)
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
-            raise ValueError("EngineArgs.speculative_config is not supported with "
-                             f"tensor_parallel_size={self.tensor_parallel_size} (> 1)")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

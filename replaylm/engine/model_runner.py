@@ -75,15 +75,19 @@ def make_attention_backend(requested: str, device: torch.device, mode: str) -> A
 @dataclass
 class StepInput:
     """One step as a tensor-parallel leader sends it to the other ranks of its group: the
-    host batch, the sampling settings of newly slotted requests, and the prompt-logprob rows
-    (host tensors, without the requests)."""
+    host batch (a verify's layout included: drafts, ``draft_next`` / ``seg_start``, padding
+    rows, penalty rows), the sampling settings of newly slotted requests, the prompt-logprob
+    rows (host tensors, without the requests), and whether the leader's drafter replaces
+    verify samples (``accept_from_leader``: the ranks then take the leader's tokens)."""
 
     host: HostBatch
     admitted: list[SimpleNamespace]
     plan: PromptLogprobPlan | None
+    accept_from_leader: bool = False
 
     @staticmethod
-    def of(out: SchedulerOutput, host: HostBatch) -> StepInput:
+    def of(out: SchedulerOutput, host: HostBatch, accept_from_leader: bool = False
+           ) -> StepInput:
         admitted = [SimpleNamespace(slot=r.slot, sampling_params=r.sampling_params, seed=r.seed,
                                     prompt_token_ids=r.prompt_token_ids,
                                     output_token_ids=r.output_token_ids,
@@ -92,7 +96,21 @@ class StepInput:
         plan = _prompt_plan(out, host, torch.device("cpu"))
         if plan is not None:
             plan = dataclasses.replace(plan, spans=[])
-        return StepInput(host, admitted, plan)
+        return StepInput(host, admitted, plan, accept_from_leader)
+
+
+#: A verify's acceptance rule: (processed logits, sampled tokens) -> the tokens kept.
+Accept = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sent_to_group(accept: Accept, tp: TensorParallel) -> Accept:
+    """The leader's ``accept``, its kept tokens then broadcast to the tensor-parallel group."""
+    return lambda logits, tokens: tp.broadcast(accept(logits, tokens).contiguous())
+
+
+def _from_leader(tp: TensorParallel) -> Accept:
+    """A follower's acceptance: the tokens the leader's rule kept (``_sent_to_group``)."""
+    return lambda logits, tokens: tp.broadcast(torch.empty_like(tokens))
 
 
 def _prompt_plan(out: SchedulerOutput, host: HostBatch, device: torch.device
@@ -110,7 +128,10 @@ class ModelRunner:
     ``spec.draft_model``): its ``partner_block_bytes`` are added to each of this pool's
     blocks and its ``partner_fixed_bytes`` reserved, before the KV pool is sized.
     ``verify_accept``: set by the engine when a drafter's proposals carry a distribution;
-    it turns a verify step into that drafter's acceptance rule (``StepSampler.run``).
+    it turns a verify step into that drafter's acceptance rule (``StepSampler.run``). Under
+    tensor parallel the drafter lives on the leader alone: the leader applies the rule and
+    broadcasts the kept tokens to the group, so every rank's ``last_token`` and penalty
+    counts stay the same.
 
     With ``tp`` (tensor parallel) it holds one rank's shard (``cfg`` is then the shard's
     shapes) and every rank of the group runs the same steps: the leader's ``execute`` hands
@@ -401,15 +422,22 @@ class ModelRunner:
         self.layout_pad_tokens = host.layout_pad_tokens  # the latest step's (spec stats)
         if on_launch is not None:
             on_launch()
+        # A drafter's acceptance rule reads the schedule alone (a verifying request was
+        # slotted in an earlier step), so it is known before the step goes out.
+        accept = None
+        if host.draft_next is not None and self.verify_accept is not None:
+            accept = self.verify_accept(out, self.sampler.state)
         if self.broadcast is None:
             return self._launch(host, out.newly_slotted, _prompt_plan(out, host, self.device),
-                                agree, out)
-        step = StepInput.of(out, host)
+                                agree, accept)
+        step = StepInput.of(out, host, accept is not None)
         self.broadcast(("step", step))
         plan = step.plan
         if plan is not None:  # the leader's plan keeps the requests (its output spans)
             plan = _prompt_plan(out, host, self.device)
-        return self._launch(host, out.newly_slotted, plan, agree, out)
+        if accept is not None:
+            accept = _sent_to_group(accept, self.tp)  # type: ignore[arg-type]
+        return self._launch(host, out.newly_slotted, plan, agree, accept)
 
     @torch.inference_mode()
     def run_step(self, step: StepInput, agree: Agree | None = None
@@ -419,13 +447,14 @@ class ModelRunner:
         if plan is not None:
             plan = dataclasses.replace(plan, rows=plan.rows.to(self.device),
                                        targets=plan.targets.to(self.device))
-        return self._launch(step.host, step.admitted, plan, agree)
+        accept = _from_leader(self.tp) if step.accept_from_leader else None  # type: ignore[arg-type]
+        return self._launch(step.host, step.admitted, plan, agree, accept)
 
     def _launch(self, host: HostBatch, admitted: list, plan: PromptLogprobPlan | None,
-                agree: Agree | None, out: SchedulerOutput | None = None,
+                agree: Agree | None, accept: Accept | None = None,
                 ) -> tuple[PendingStep | None, Dispatch, int]:
-        """The device part of a step (``out``: the leader's schedule, which a drafter's
-        acceptance rule reads; tensor-parallel followers have none)."""
+        """The device part of a step (``accept``: a verify's acceptance rule beyond exact
+        matching, ``StepSampler.run``)."""
         for req in admitted:
             self.admit(req)
         self.sampler.flush()
@@ -461,9 +490,6 @@ class ModelRunner:
             draft_counts = (
                 torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
                 torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
-        accept = None
-        if host.draft_next is not None and self.verify_accept is not None and out is not None:
-            accept = self.verify_accept(out, self.sampler.state)
         pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
                                    host.sample_slots.tolist(), plan, greedy, host_view,
                                    draft_counts, accept)

@@ -102,6 +102,12 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Group rank 0's ``x`` on every rank, in place; returns ``x`` (outside graphs)."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(x, src, group=self.group)
+        return x
+
     def vocab_rows(self, vocab_size: int) -> int:
         """Rows of the embedding / LM head each rank holds: ``ceil(vocab_size / size)``."""
         return -(-vocab_size // self.size)

@@ -28,6 +28,10 @@ Acceptance (``acceptance``): a greedy request's drafts take the engine's exact-m
 by ``rejection_sample`` of the target's distribution ``p`` against the stored ``q``: accepted
 with probability min(1, p/q), else a draw from the residual; its bonus row is sampled as
 plain decoding samples it. Everything after ``propose``'s copy runs on the device.
+
+Under tensor parallel the draft model runs unsharded on the group's leader alone (no
+collectives); the leader broadcasts the tokens its acceptance kept to the other ranks
+(``ModelRunner.execute``).
 """
 
 from __future__ import annotations
@@ -158,7 +162,8 @@ def load_draft_runner(args: EngineArgs, spec: SpecConfig, target: ModelConfig,
     draft_args = dataclasses.replace(
         args, model=spec.model, speculative_config=None, num_kv_blocks=None,
         enable_prefix_caching=False, skip_tokenizer_init=True, tokenizer=None,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len, tensor_parallel_size=1, data_parallel_size=1,
+        all_reduce_backend="nccl", enable_dp_attention=False)  # unsharded, no collective
     try:
         cfg, model_dir = load_model_config(spec.model)  # type: ignore[arg-type]
     except (FileNotFoundError, ValueError) as e:

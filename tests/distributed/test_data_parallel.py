@@ -48,9 +48,6 @@ def test_settings_are_validated():
         EngineArgs(data_parallel_size=0)
     with pytest.raises(ValueError, match="distributed_timeout_s"):
         EngineArgs(distributed_timeout_s=0)
-    with pytest.raises(ValueError, match="speculative_config"):
-        EngineArgs(tensor_parallel_size=2, speculative_config={"method": "ngram",
-                                                               "num_speculative_tokens": 2})
 
 
 def test_eager_dp2_matches_dp1_and_a_killed_worker_is_named_within_the_timeout(ckpt):
