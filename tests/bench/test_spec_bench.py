@@ -52,8 +52,9 @@ def test_spec_bench_writes_every_part(tmp_path, capsys):
     zero, high = acc[("fixed-k4", 0.0)], acc[("fixed-k4", 0.95)]
     assert zero["verify_steps"] > 0 and zero["accepted_tokens"] == 0
     assert zero["mean_accepted_length"] == 0 and zero["expected_accepted_length"] == 0
-    # p = 0.95, K = 4: 0.95 + 0.95² + 0.95³ + 0.95⁴ = 3.52 (a little less near the end).
-    assert 3.0 < high["expected_accepted_length"] <= 3.52
+    # p = 0.95, K = 4: 0.95 + 0.95² + 0.95³ + 0.95⁴ = 3.52, less for the short drafts near
+    # max_tokens (24 tokens: a few proposals per request, the last ones short).
+    assert 2.5 < high["expected_accepted_length"] <= 3.52
     assert high["mean_accepted_length"] == pytest.approx(high["expected_accepted_length"],
                                                          rel=0.2)
     assert high["per_token_acceptance"] >= 0.8
