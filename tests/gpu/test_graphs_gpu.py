@@ -46,10 +46,10 @@ def _traffic(llm: LLM, steps: int, seed: int) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_graph_check_every_step_bf16(tiny_checkpoint, mode):
+def test_graph_check_every_step_bf16(graph_checkpoint, mode):
     """200+ random steps with --graph-check 1: each replay equals eager on the same padded
     batch, bit for bit; preemption and freed-then-reused blocks happen along the way."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     llm = _engine(path, mode, "bfloat16", graph_check=1)
     _traffic(llm, steps=200, seed=1)
     stats = llm.graph_stats()
@@ -58,16 +58,16 @@ def test_graph_check_every_step_bf16(tiny_checkpoint, mode):
 
 
 @pytest.fixture(scope="module")
-def eager_fp32_tokens(tiny_checkpoint) -> dict[str, list[int]]:
+def eager_fp32_tokens(graph_checkpoint) -> dict[str, list[int]]:
     """The eager engine's fp32 greedy tokens on the traffic of seed 2 (one run for all modes)."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     return _traffic(_engine(path, "eager", "float32"), steps=60, seed=2)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_graph_tokens_match_eager_fp32(tiny_checkpoint, eager_fp32_tokens, mode):
+def test_graph_tokens_match_eager_fp32(graph_checkpoint, eager_fp32_tokens, mode):
     """Across batch shapes (padded vs not) fp32 greedy tokens agree with eager."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     expected = eager_fp32_tokens
     got = _traffic(_engine(path, mode, "float32"), steps=60, seed=2)
     same = sum(got[k] == v for k, v in expected.items())
@@ -75,11 +75,11 @@ def test_graph_tokens_match_eager_fp32(tiny_checkpoint, eager_fp32_tokens, mode)
 
 
 @pytest.mark.parametrize("mode", ["eager", "full", "ragged"])
-def test_overlap_matches_synchronous_gpu(tiny_checkpoint, mode):
+def test_overlap_matches_synchronous_gpu(graph_checkpoint, mode):
     """Overlap scheduling on the GPU (pinned double-buffered outputs, tokens fed on the
     device, the graph's argmax output reused every step) gives exactly the synchronous
     engine's greedy tokens, with preemption and random arrivals; every block comes back."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     sync = _traffic(_engine(path, mode, "float32", overlap_scheduling=False), steps=80, seed=3)
     over = _traffic(_engine(path, mode, "float32", overlap_scheduling=True), steps=80, seed=3)
     assert over == sync
@@ -87,10 +87,10 @@ def test_overlap_matches_synchronous_gpu(tiny_checkpoint, mode):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "ragged"])
-def test_poison_padding_with_fused_kernels_bf16(tiny_checkpoint, mode):
+def test_poison_padding_with_fused_kernels_bf16(graph_checkpoint, mode):
     """Padded tokens carry NaN activations through the fused Triton kernels (bf16): no real
     row ever turns NaN (``PaddingLeakError`` otherwise), and checked replays equal eager."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     llm = _engine(path, mode, "bfloat16", graph_check=3, poison_padding=True)
     assert llm.engine.runner.model.kernels is not None  # the fused kernels are on
     _traffic(llm, steps=60, seed=4)
@@ -100,13 +100,13 @@ def test_poison_padding_with_fused_kernels_bf16(tiny_checkpoint, mode):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise", "ragged"])
-def test_launching_a_step_never_syncs(tiny_checkpoint, mode):
+def test_launching_a_step_never_syncs(graph_checkpoint, mode):
     """The host side of a step (packing, buffer loads, dispatch, the replay or the eager
     kernels, penalties and seeded top-k/top-p sampling) never waits for the device: CUDA's
     sync debug mode raises on any synchronizing call inside ``ModelRunner.execute``. A first
     unguarded pass lets the tuner time the row counts eager steps meet (by design it
     measures a new shape on first use)."""
-    _, path, _ = tiny_checkpoint
+    _, path, _ = graph_checkpoint
     llm = _engine(path, mode, "bfloat16")
     runner = llm.engine.runner
     execute = runner.execute

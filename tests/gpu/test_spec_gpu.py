@@ -31,8 +31,8 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("verify", ["ragged", "padded", "eager"])
-def test_every_verify_layout_matches_plain_with_graphs(tiny_checkpoint, verify):
-    _, path, _ = tiny_checkpoint
+def test_every_verify_layout_matches_plain_with_graphs(graph_checkpoint, verify):
+    _, path, _ = graph_checkpoint
     sp = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                          repetition_penalty=1.1, frequency_penalty=0.2)]
