@@ -79,6 +79,20 @@ def make_checkpoint(kind: str, path: Path, seed: int = 0, dtype=torch.float32, *
     return model.eval()
 
 
+def perturbed_checkpoint(src, dst) -> None:
+    """Save at ``dst`` the checkpoint at ``src`` with every non-norm weight perturbed: a draft
+    model that agrees with the original often, not always."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained(str(dst))
+
+
 @pytest.fixture(scope="session", params=sorted(TINY))
 def tiny_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")

@@ -8,7 +8,6 @@ proposals' distributions, so it broadcasts the tokens its rejection sampling kep
 from __future__ import annotations
 
 import pytest
-import torch
 
 from replaylm import LLM, SamplingParams
 from tests.distributed.test_tensor_parallel import _checkpoint, _kw
@@ -48,16 +47,10 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def near(tmp_path_factory, target):
     """The target with its weights perturbed: a draft model that agrees with it often."""
-    from transformers import AutoModelForCausalLM
+    from tests.conftest import perturbed_checkpoint
 
     path = tmp_path_factory.mktemp("tp-spec-near")
-    model = AutoModelForCausalLM.from_pretrained(str(target))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(str(path))
+    perturbed_checkpoint(target, path)
     return path
 
 

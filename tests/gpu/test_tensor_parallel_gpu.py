@@ -2,7 +2,7 @@
 
 bf16 row-parallel partial sums round differently from one GPU's full sums, so greedy tokens
 may part at a near tie: each request must follow TP=1's tokens until a step where TP=1's
-top two logprobs were within ``TIE``, and most tokens must match overall.
+top two logprobs were within ``follow.TIE``, and most tokens must match overall.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 
 from replaylm import LLM, SamplingParams
 from tests.conftest import make_checkpoint
+from tests.gpu.follow import assert_follows
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
-TIE = 0.15  # nats between TP=1's top two logprobs where TP=2 may choose the other
 PROMPTS = [[3 + (17 * i + 5 * j) % 1000 for j in range(4 + 9 * i)] for i in range(6)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
@@ -64,7 +64,7 @@ def test_tp2_follows_tp1_greedy_tokens_in_bf16_with_graphs(llama, mode, all_redu
     assert len(report["latency_us"]) == 4 and report["choice"], report
     if all_reduce == "symm_mem":
         assert "nccl" not in report["choice"].values(), report
-    _assert_follows(want, got)
+    assert_follows(want, got)
 
 
 def test_moe_tp2_follows_tp1_in_bf16_with_graphs(moe):
@@ -78,19 +78,4 @@ def test_moe_tp2_follows_tp1_in_bf16_with_graphs(moe):
     assert sum(graphs["hits"].values()) > 0
     if kind == "qwen2_moe":
         assert any(graphs["forks"].values())  # the side stream forked in a capture
-    _assert_follows(want, got)
-
-
-def _assert_follows(want, got) -> None:
-    """Each request follows TP=1's tokens (their logprobs close) until a near tie."""
-    matched = total = 0
-    for w, g in zip(want, got):
-        n = next((i for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)) if a != b),
-                 len(w.token_ids))
-        for i in range(n):  # the chosen tokens' logprobs agree while the tokens do
-            assert abs(w.logprobs[i].logprob - g.logprobs[i].logprob) < 0.1, (i, w, g)
-        if n < len(w.token_ids):
-            top = sorted(w.logprobs[n].top.values(), reverse=True)
-            assert top[0] - top[1] < TIE, (n, w.token_ids, g.token_ids, top)
-        matched, total = matched + n, total + len(w.token_ids)
-    assert matched >= 0.75 * total, (matched, total)
+    assert_follows(want, got)

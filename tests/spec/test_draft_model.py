@@ -37,16 +37,10 @@ def other_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def near_dir(tmp_path_factory, target_dir):
     """The target with its weights perturbed: a draft that agrees with it often, not always."""
-    from transformers import AutoModelForCausalLM
+    from tests.conftest import perturbed_checkpoint
 
     path = tmp_path_factory.mktemp("dm-near")
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained(str(path))
+    perturbed_checkpoint(target_dir, path)
     return path
 
 
