@@ -35,12 +35,16 @@ def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
     scale = theirs.abs().max()
     row_err = (ours - theirs).abs().max(-1).values
     off = int((row_err >= 0.03 * scale + 0.02).sum())
-    # MoE: a router near-tie (top-k logits an ulp or two apart in bf16; on the tiny
-    # Qwen2-MoE, layer 1 at row 22: 0.4082 against 0.4004) may pick another expert for one
-    # token, which moves that row alone; every other row must stay within the bound.
-    assert off <= (1 if "moe" in kind else 0), (off, row_err.max())
+    # MoE: a router near-tie (the k-th and (k+1)-th experts' probabilities closer than bf16
+    # resolves) may pick another expert for one token, which moves that row. In bf16 on the
+    # CPU: the prefill's row 22 on Qwen2-MoE (layer 1: 0.4082 against 0.4004), and one
+    # decode step each, Qwen2-MoE's 26th (a gap of 0.00036) and Qwen3-MoE's 27th (0.00046),
+    # where the other steps' smallest gaps are 0.007 to 0.08. One row of the prefill and one
+    # decode step may leave the bound; every other must stay within it.
+    near_ties = 1 if "moe" in kind else 0
+    assert off <= near_ties, (off, row_err.max())
     seq = prompt.tolist()
-    agree = 0
+    agree = beyond = 0
     for _ in range(32):  # teacher-forced decode: both see the same tokens
         nxt = int(theirs[-1].argmax())
         agree += int(ours[-1].argmax()) == nxt
@@ -50,7 +54,8 @@ def test_bf16_logits_close_to_transformers(tiny_checkpoint, backend):
                                           torch.tensor([pos], device=DEV),
                                           one_request_meta(pos, 1, blocks, DEV)))
         theirs = ref(torch.tensor(seq, device=DEV)[None]).logits[0, -1:].float()
-        assert (ours - theirs).abs().max() < 0.03 * theirs.abs().max() + 0.02
+        beyond += int((ours - theirs).abs().max() >= 0.03 * theirs.abs().max() + 0.02)
+    assert beyond <= near_ties, beyond
     assert agree >= 28
 
 
