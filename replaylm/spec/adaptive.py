@@ -21,9 +21,10 @@ drafter on their known tokens, never verified: once the tokens they guessed have
 generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
 proposals) update the acceptance estimates for free, and when the chooser would then
 verify drafts, coasting ends. When the verify steps that follow measure costs that send it
-straight back (within ``SHORT_RUN`` steps), the next stretch must last twice as long before
-shadow evidence may end it (``hold``, up to ``MAX_HOLD`` steps; a longer run of verifies
-resets it). A drafter with device state (a draft model) never coasts.
+straight back (within ``SHORT_RUN`` choices: a false start), the next stretch lasts at least
+``SHORT_RUN`` steps before shadow evidence may end it, twice that after another false start
+and so on up to ``MAX_HOLD`` (``hold``); a longer run of verifies clears the hold. A drafter
+with device state (a draft model) never coasts.
 """
 
 from __future__ import annotations
