@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import triton
 
-from replaylm.capture import gc_paused
+from replaylm.capture import graph_replay_us
 from replaylm.kernels import elementwise, skinny
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
@@ -111,24 +111,7 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.
     """Device time of one ``fn(w)`` call: ``reps`` calls captured in one CUDA graph, best of
     ``trials`` replays, so host launch overhead is excluded (as inside a decode graph). The
     calls cycle through ``weights`` (``weight_rotation``: from HBM, not L2)."""
-    fn(weights[0])
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(g):
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(trials):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    # Free the graph now: left to the garbage collector, its destructor could run while a
-    # later graph is being captured, which invalidates that capture.
-    g.reset()
-    return best
+    return graph_replay_us(lambda i: fn(weights[i % len(weights)]), reps, trials)
 
 
 @functools.cache

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from replaylm.capture import gc_paused
+from replaylm.capture import graph_replay_us
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
 #: Decode-sized messages measured at start-up, in rows of the hidden size; the largest is the
@@ -271,20 +271,4 @@ def graph_latency_us(call: Callable[[], None], calls: int = TIMED_CALLS,
     best of ``trials`` replays. Each timed replay follows an untimed one, enqueued back to
     back, so it starts when the ranks leave that replay's last collective together (not when
     each host happened to launch it). Every rank of the group must call this in step."""
-    call()  # eager once: lazy set-up (communicators, kernels) stays out of the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(trials):
-        g.replay()
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    g.reset()  # freed now, not by the garbage collector during a later capture
-    return best
+    return graph_replay_us(lambda i: call(), calls, trials, settle=True)
