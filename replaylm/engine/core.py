@@ -294,7 +294,8 @@ class EngineCore:
             launched = (out, pending)
         elif self.agree is not None:
             self.runner.idle(self.agree)
-        verified = launched is not None and any(s.drafts for s in out.scheduled)
+        verified = (launched is not None and self.drafter is not None
+                    and any(s.drafts for s in out.scheduled))
         if self._overlap and not verified:
             resolve = [self._inflight] if self._inflight is not None else []
             self._inflight = launched
@@ -317,7 +318,7 @@ class EngineCore:
             self._last_end = now if launched is not None else None
             if budget.coasting and budget.shadow:
                 budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
-                                    self._generating(), self._base_tokens())
+                                    self._generating, self._base_tokens)
         self._refresh_gauges()
         if obs is not None:
             obs.end(launched is not None)
@@ -400,9 +401,12 @@ class EngineCore:
 
     def _shadow_round(self) -> None:
         """Coasting (``spec.adaptive``): shadow proposals that learn acceptance unverified."""
-        reqs = self._generating()
+        def candidates() -> tuple[list[Request], list[int]]:
+            reqs = self._generating()
+            return reqs, self._draft_room(reqs)
+
         t0 = time.perf_counter()
-        self.budget.shadow_round(self.drafter, reqs, self._draft_room(reqs))  # type: ignore[union-attr]
+        self.budget.shadow_round(self.drafter, candidates)  # type: ignore[union-attr]
         self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
         self.spec_stats.coast_steps += 1  # type: ignore[union-attr]
 

@@ -166,14 +166,18 @@ class AdaptiveBudget:
 
     # Coasting -------------------------------------------------------------------------------
 
-    def shadow_round(self, drafter: Any, reqs: Sequence[Any], room: Sequence[int]) -> None:
-        """Every ``SHADOW_EVERY`` calls: proposals for up to ``SHADOW_REQUESTS`` of ``reqs``
-        (decoding requests, with ``room[i]`` drafts left) that have none outstanding."""
+    def shadow_round(self, drafter: Any,
+                     candidates: Callable[[], tuple[Sequence[Any], Sequence[int]]]) -> None:
+        """One coasting step. Every ``SHADOW_EVERY`` of them: proposals for up to
+        ``SHADOW_REQUESTS`` of the ``candidates()`` (requests with output, and how many
+        drafts each has room for) that have none outstanding; the other steps read no
+        request."""
         self._since_shadow += 1
         self._coasted += 1
         if self._since_shadow < SHADOW_EVERY:
             return
         self._since_shadow = 0
+        reqs, room = candidates()
         pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
         pick = pick[:SHADOW_REQUESTS]
         if not pick:
@@ -184,9 +188,12 @@ class AdaptiveBudget:
                 self.shadow[r] = (r.num_output_tokens, list(drafts))
 
     def shadow_check(self, judge: Callable[[Any, list[int], list[int]], int] | None,
-                     running: Sequence[Any], base_tokens: int) -> None:
+                     running: Callable[[], Sequence[Any]],
+                     base_tokens: Callable[[], int]) -> None:
         """Score the shadow proposals whose tokens are now known, and end coasting when
-        the chooser would verify drafts at the updated estimates."""
+        the chooser would verify drafts at the updated estimates (``running()``: the
+        requests with output, ``base_tokens()``: the next step's tokens without drafts; both
+        read only when a proposal was scored)."""
         scored = False
         for req, (at, drafts) in list(self.shadow.items()):
             if req.is_finished:
@@ -201,8 +208,10 @@ class AdaptiveBudget:
                         else leading_matches(drafts, actual))
             self.observe_verify(req, len(drafts), accepted)
             scored = True
-        if scored and running and self._coasted >= self.hold and sum(
-                self._choice(running, base_tokens, [self.k] * len(running))):
+        if not scored or self._coasted < self.hold:
+            return
+        reqs = running()
+        if reqs and sum(self._choice(reqs, base_tokens(), [self.k] * len(reqs))):
             self.coasting = False
             self.shadow.clear()
             self._verify_run = 0

@@ -143,33 +143,33 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
     b.coasting = True
     d = Drafter()
     for _ in range(adaptive.SHADOW_EVERY - 1):
-        b.shadow_round(d, [r], [3])
+        b.shadow_round(d, lambda: ([r], [3]))
     assert d.calls == 0 and not b.shadow
-    b.shadow_round(d, [r], [3])
+    b.shadow_round(d, lambda: ([r], [3]))
     assert d.calls == 1 and b.shadow[r] == (1, [1, 2, 3])
-    b.shadow_check(None, [r], 1)  # the guessed tokens are not known yet
+    b.shadow_check(None, lambda: [r], lambda: 1)  # the guessed tokens are not known yet
     assert r in b.shadow and b.coasting
     r.output_token_ids += [1, 2]
-    b.shadow_check(None, [r], 1)
+    b.shadow_check(None, lambda: [r], lambda: 1)
     assert r in b.shadow
     r.output_token_ids += [3]  # all three guessed right: acceptance goes up
-    b.shadow_check(None, [r], 1)
+    b.shadow_check(None, lambda: [r], lambda: 1)
     assert r not in b.shadow and r.spec_acceptance == pytest.approx(0.3)
     for _ in range(6):  # more right guesses until verifying 3 drafts beats plain decoding
         if not b.coasting:
             break
         for _ in range(adaptive.SHADOW_EVERY):
-            b.shadow_round(d, [r], [3])
+            b.shadow_round(d, lambda: ([r], [3]))
         r.output_token_ids += [1, 2, 3]
-        b.shadow_check(None, [r], 1)
+        b.shadow_check(None, lambda: [r], lambda: 1)
     assert not b.coasting and not b.shadow
     # A judge decides for the drafter (a drafter that knows its own drafts' fate).
     b.coasting = True
     for _ in range(adaptive.SHADOW_EVERY):
-        b.shadow_round(d, [r], [3])
+        b.shadow_round(d, lambda: ([r], [3]))
     r.output_token_ids += [0, 0, 0]
     est = r.spec_acceptance
-    b.shadow_check(lambda req, drafts, actual: 3, [r], 1)
+    b.shadow_check(lambda req, drafts, actual: 3, lambda: [r], lambda: 1)
     assert r.spec_acceptance > est
 
 
@@ -193,10 +193,10 @@ def test_false_starts_hold_coasting_longer():
     def stretch(steps):
         """Coast ``steps`` steps with every shadow proposal right; whether coasting ended."""
         for _ in range(steps):
-            b.shadow_round(Drafter(), [r], [4])
+            b.shadow_round(Drafter(), lambda: ([r], [4]))
             if r in b.shadow:
                 r.output_token_ids += [1] * 4
-            b.shadow_check(None, [r], 1)
+            b.shadow_check(None, lambda: [r], lambda: 1)
             if not b.coasting:
                 return True
         return False
