@@ -362,7 +362,7 @@ class Options:
     adaptive: bool = True
     prompt_len: int = 32
     new_tokens: int = 128
-    warmup_tokens: int = 8
+    warmup_tokens: int = 64
     draft_model: str = "llama3.2-1b"
     draft_k: int = 4
     seed: int = 0

@@ -7,19 +7,27 @@ last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a co
 pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
 drafts (resolved before the next step is built), and ``plain_costs`` for plain steps run
 with overlap scheduling (the CPU builds step N+1 while the GPU runs step N), which is what
-decoding without speculation costs. A tier not measured yet is estimated from the nearest
-measured one below it, scaled by the token ratio (above it: that tier's cost).
+decoding without speculation costs. A tier not measured yet is taken to cost what the
+nearest measured tier below it costs (none below: the nearest above). A step never costs
+less with more tokens, so that is the most the tier could gain: the chooser tries it when
+it would pay at that cost, and the step measures it. (On a GPU, small tiers cost nearly the
+same: an estimate that grew with the tokens would keep the larger ones from being tried.)
 
-Acceptance per request is a moving average of the share of its drafts accepted; a request
-not measured yet starts from the engine's running average over all requests (``PRIOR``
-before any).
+Acceptance per request is the ratio of two decayed sums: drafts accepted and drafts tried
+(a verify of ``k`` drafts that accepts ``a`` tried ``a + 1`` of them, or ``k`` when it
+accepted all), each observation weighing ``1 / DECAY`` times the one before. A ratio of
+sums estimates the per-draft acceptance probability itself; an average of each verify's
+ratio would not (a run that accepts 0 of 1 and one that accepts 8 of 8 average to 1/2,
+not 8/9), and would sit well below the truth. A request not measured yet starts from the
+same ratio over all requests, worth one trial (``PRIOR`` before any).
 
 Coasting: when a step's choice is zero drafts, speculation does not pay at the current
 estimates, and the engine runs plain overlapped steps (no drafting, no host sync) until it
 would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposals from the
 drafter on their known tokens, never verified: once the tokens they guessed have been
 generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
-proposals) update the acceptance estimates for free, and when the chooser would then
+proposals; otherwise known at the first token guessed wrong) update the acceptance
+estimates for free, and when the chooser would then
 verify drafts, coasting ends. When the verify steps that follow measure costs that send it
 straight back (within ``SHORT_RUN`` choices: a false start), the next stretch lasts at least
 ``SHORT_RUN`` steps before shadow evidence may end it, twice that after another false start
@@ -36,10 +44,10 @@ from typing import Any
 from replaylm.spec.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
-WEIGHT = 0.3  # weight of the newest observation in the acceptance moving averages
+DECAY = 0.7  # weight of the evidence before an observation, against the observation's
 WINDOW = 8  # step costs: the least of this many latest times per tier
 SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
-MAX_HOLD = 1024  # longest stretch a false start makes coasting keep
+MAX_HOLD = 64  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
 
@@ -60,22 +68,20 @@ def _observe(times: dict[int, deque[float]], costs: dict[int, float], tier: int,
     costs[tier] = min(window)
 
 
+def _decayed(counts: tuple[float, float], accepted: int, tried: int) -> tuple[float, float]:
+    return DECAY * counts[0] + accepted, DECAY * counts[1] + tried
+
+
 def staircase(tiers: Sequence[int], measured: dict[int, float]) -> list[tuple[int, float]]:
-    """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or estimated from
-    the nearest measured tier below (scaled by the token ratio) or else above."""
+    """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or else what the
+    nearest measured tier below costs (none below: the nearest above)."""
     if not measured:
         return []
-    first = min(measured)
-    below: tuple[int, float] | None = None
+    below = measured[min(measured)]
     out = []
     for t in tiers:
-        if t in measured:
-            below = (t, measured[t])
-            out.append(below)
-        elif below is not None:
-            out.append((t, below[1] * t / below[0]))
-        else:
-            out.append((t, measured[first]))
+        below = measured.get(t, below)
+        out.append((t, below))
     return out
 
 
@@ -97,7 +103,8 @@ class AdaptiveBudget:
         self.plain_costs: dict[int, float] = {}  # plain overlapped steps: tier -> seconds
         self._times: dict[int, deque[float]] = {}
         self._plain_times: dict[int, deque[float]] = {}
-        self.acceptance = PRIOR  # running average over every request's observations
+        self._counts = (PRIOR, 1.0)  # decayed (accepted, tried) over every request
+        self.acceptance = PRIOR  # their ratio
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
@@ -122,11 +129,12 @@ class AdaptiveBudget:
         return getattr(req, "spec_acceptance", self.acceptance)
 
     def observe_verify(self, req: Any, drafts: int, accepted: int) -> None:
-        trials = accepted + (1 if accepted < drafts else 0)
-        rate = accepted / trials
-        est = self.estimate(req)
-        req.spec_acceptance = est + WEIGHT * (rate - est)
-        self.acceptance += WEIGHT * (rate - self.acceptance)
+        tried = accepted + (1 if accepted < drafts else 0)
+        counts = getattr(req, "spec_counts", None) or (self.estimate(req), 1.0)
+        req.spec_counts = _decayed(counts, accepted, tried)
+        req.spec_acceptance = req.spec_counts[0] / req.spec_counts[1]
+        self._counts = _decayed(self._counts, accepted, tried)
+        self.acceptance = self._counts[0] / self._counts[1]
 
     def staircase(self) -> list[tuple[int, float]]:
         return staircase(self.tiers, self.costs)
@@ -199,13 +207,16 @@ class AdaptiveBudget:
             if req.is_finished:
                 del self.shadow[req]
                 continue
-            out = req.output_token_ids
-            if len(out) < at + len(drafts):
-                continue
+            actual = req.output_token_ids[at: at + len(drafts)]
+            if judge is not None:
+                if len(actual) < len(drafts):
+                    continue
+                accepted = judge(req, drafts, actual)
+            else:  # decided at the first known miss, or once every guess is known
+                accepted = leading_matches(drafts, actual)
+                if accepted == len(actual) < len(drafts):
+                    continue
             del self.shadow[req]
-            actual = out[at: at + len(drafts)]
-            accepted = (judge(req, drafts, actual) if judge is not None
-                        else leading_matches(drafts, actual))
             self.observe_verify(req, len(drafts), accepted)
             scored = True
         if not scored or self._coasted < self.hold:

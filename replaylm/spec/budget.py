@@ -11,9 +11,10 @@ decoding, and a larger ``D`` must do strictly better to be chosen.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_left
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def step_cost(tier_costs: Sequence[tuple[int, float]], num_tokens: int) -> float | None:
@@ -35,35 +36,26 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     without drafts costs (plain decoding, which overlaps the host's work with the GPU's),
     else the staircase's cost of ``base_tokens``.
     """
-    tiers = [t for t, _ in tier_costs]
-    costs = [c for _, c in tier_costs]
-    k = [0] * len(alphas)
-    i = bisect_left(tiers, base_tokens)
-    if i == len(tiers) or not alphas:
-        return k
+    n = len(alphas)
+    tiers = np.array([t for t, _ in tier_costs])
+    costs = np.array([c for _, c in tier_costs])
+    i = int(np.searchsorted(tiers, base_tokens))
+    if i == len(tiers) or not n:
+        return [0] * n
     if base_cost is None:
-        base_cost = costs[i]
-    # Max-heap of each request's next marginal gain.
-    heap = [(-a, r, 1) for r, a in enumerate(alphas) if max_drafts[r] > 0 and a > 0]
-    heapq.heapify(heap)
-    gained, best_rate, best_d, taken = 0.0, len(alphas) / base_cost, 0, []
-    d = 0
-    while heap:
-        neg, r, j = heapq.heappop(heap)
-        gained -= neg
-        d += 1
-        taken.append(r)
-        if j < max_drafts[r]:
-            heapq.heappush(heap, (neg * alphas[r], r, j + 1))
-        while tiers[i] < base_tokens + d:  # the tier holding this many tokens
-            i += 1
-            if i == len(tiers):
-                break
-        if i == len(tiers):
-            break
-        rate = (len(alphas) + gained) / costs[i]
-        if rate > best_rate * (1 + 1e-9):
-            best_rate, best_d = rate, d
-    for r in taken[:best_d]:
-        k[r] += 1
-    return k
+        base_cost = float(costs[i])
+    # Every request's marginal gains alpha**j (j = 1 .. its most drafts), best first (ties:
+    # the lower request index); the first D of them are the best use of D draft tokens.
+    most = np.array([m if a > 0 else 0 for a, m in zip(alphas, max_drafts)], dtype=np.int64)
+    owner = np.repeat(np.arange(n), most)
+    power = np.arange(owner.size) - np.repeat(np.cumsum(most) - most, most) + 1
+    gains = np.asarray(alphas, dtype=np.float64)[owner] ** power
+    order = np.lexsort((owner, -gains))[:int(tiers[-1]) - base_tokens]  # the top tier holds
+    if not order.size:
+        return [0] * n
+    d = np.arange(1, order.size + 1)
+    rates = (n + np.cumsum(gains[order])) / costs[np.searchsorted(tiers, base_tokens + d)]
+    best = int(np.argmax(rates))  # the first of equal rates: the fewest drafts
+    if rates[best] <= n / base_cost * (1 + 1e-9):
+        return [0] * n
+    return np.bincount(owner[order[:best + 1]], minlength=n).tolist()

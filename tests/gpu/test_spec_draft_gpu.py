@@ -33,21 +33,28 @@ def _engine(path, mode: str, spec=None) -> LLM:
 
 @pytest.mark.parametrize("mode", ["ragged", "full"])
 def test_self_drafting_greedy_equals_plain_bf16(bf16_dir, mode):
-    """Self-drafting in bf16 with graphs: greedy output equals plain decoding. A verify row
-    runs in a batch of another shape than a plain decode row, and bf16 results may depend on
-    the shape, so near-tied argmaxes can flip: as across graph modes
-    (``test_graph_tokens_match_eager_fp32``), 90% of the requests must match exactly."""
+    """Self-drafting in bf16 with graphs: greedy output equals plain decoding up to near ties.
+    A verify row runs in a batch of another shape than a plain decode row, and bf16 results
+    may depend on the shape, so an argmax may flip where plain decoding's top two tokens are
+    closer than bf16 resolves. Every request must match plain decoding exactly, or first leave
+    it at such a tie: the token taken there is plain's runner-up, within 0.05 in logprob."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (int(torch.randint(2, 40, (1,), generator=g)),),
                              generator=g).tolist() for _ in range(16)]
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = [o.outputs[0].token_ids
-            for o in _engine(bf16_dir, mode).generate(prompts, sp, use_tqdm=False)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    want = [o.outputs[0] for o in _engine(bf16_dir, mode).generate(prompts, sp, use_tqdm=False)]
     spec = {"method": "draft_model", "model": str(bf16_dir), "num_speculative_tokens": 4}
     llm = _engine(bf16_dir, mode, spec)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    same = sum(a == b for a, b in zip(got, want))
-    assert same >= 0.9 * len(want), (same, len(want))
+    same = 0
+    for ids, plain in zip(got, want):
+        if ids == plain.token_ids:
+            same += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ids, plain.token_ids)) if a != b)
+        top = plain.logprobs[i].top
+        assert ids[i] in top and top[plain.token_ids[i]] - top[ids[i]] < 0.05, (i, ids, plain)
+    assert same >= len(want) // 2, (same, len(want))
     st = llm.spec_stats()
     assert st["acceptance_rate"] > 0.9 and st["mean_accepted_length"] > 2, st
     drafter = llm.engine.drafter

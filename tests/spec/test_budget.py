@@ -89,9 +89,12 @@ def test_adaptive_budget_learns_costs_and_acceptance():
         b.observe_step(4, 1.5, verified=True)
     assert b.costs[4] == pytest.approx(1.5)  # the window moved on
     b.observe_step(4, 1.3, verified=True)
-    # Unmeasured tiers scale from the largest measured one below by the token ratio.
-    assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(2.6)),
-                             (16, pytest.approx(5.2))]
+    # Unmeasured tiers cost what the largest measured one below costs: the most they could
+    # gain, so the chooser tries them where that would pay.
+    assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(1.3)),
+                             (16, pytest.approx(1.3))]
+    b.observe_step(8, 2.6, verified=True)
+    b.observe_step(16, 5.2, verified=True)
     good, bad = _Req([1, 2, 3, 4]), _Req([5, 6, 7, 8])
     for _ in range(10):
         b.observe_verify(good, 4, 4)
@@ -112,6 +115,7 @@ def test_plain_cost_decides_and_zero_choice_coasts():
     from replaylm.spec.adaptive import AdaptiveBudget
 
     b = AdaptiveBudget([1, 2, 4, 8], 2)
+    b.observe_step(4, 2.0, verified=True)
     b.observe_step(2, 1.0, verified=True)
     b.observe_step(1, 1.0, verified=True)
     r = _Req([7, 8])
@@ -154,7 +158,8 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
     assert r in b.shadow
     r.output_token_ids += [3]  # all three guessed right: acceptance goes up
     b.shadow_check(None, lambda: [r], lambda: 1)
-    assert r not in b.shadow and r.spec_acceptance == pytest.approx(0.3)
+    # 3 accepted of 3 tried, after a prior of 0 of 1 trial that weighs DECAY now
+    assert r not in b.shadow and r.spec_acceptance == pytest.approx(3 / (adaptive.DECAY + 3))
     for _ in range(6):  # more right guesses until verifying 3 drafts beats plain decoding
         if not b.coasting:
             break
@@ -226,3 +231,27 @@ def test_false_starts_hold_coasting_longer():
         r.draft_tokens = [1, 1, 1, 1]
         assert b.choose([r], 1) == [4]
     assert b.hold == 0
+
+
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.8, 0.95])
+def test_acceptance_estimate_tracks_the_per_draft_probability(p):
+    """Each draft is accepted with probability ``p`` given the ones before it were: the
+    estimate (over 400 verifies of 8 drafts, averaged over the last 300) must be ``p``, not
+    the mean of each verify's accepted share, which sits well below it (0.8 gives ~0.6)."""
+    import random
+
+    from replaylm.spec.adaptive import AdaptiveBudget
+
+    rng = random.Random(int(p * 100))
+    b = AdaptiveBudget([16], 8)
+    r = _Req([])
+    seen = []
+    for i in range(400):
+        accepted = 0
+        while accepted < 8 and rng.random() < p:
+            accepted += 1
+        b.observe_verify(r, 8, accepted)
+        if i >= 100:
+            seen.append(r.spec_acceptance)
+    assert sum(seen) / len(seen) == pytest.approx(p, abs=0.04)
+    assert b.acceptance == r.spec_acceptance  # one request: the engine's ratio is its own
