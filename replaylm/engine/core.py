@@ -307,10 +307,10 @@ class EngineCore:
             deltas += self._resolve(*step)
         if budget is not None:
             # The step's cost: end of the previous step to the end of this one, counted
-            # where it includes a wait for the GPU (plain: the previous step's; verify:
-            # its own, after a step that left nothing in flight).
+            # where it includes a wait for the GPU (plain with overlap: the previous step's;
+            # otherwise its own, after a step that left nothing in flight).
             now = time.perf_counter()
-            steady = resolve and (verified or resolve[0] is not launched)
+            steady = resolve and (verified or not self._overlap or resolve[0] is not launched)
             if launched is not None and self._last_end is not None and steady:
                 budget.observe_step(dispatch.tier if dispatch.graphed
                                     else budget.tier_of(out.num_batched_tokens),

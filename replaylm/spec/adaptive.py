@@ -7,19 +7,24 @@ last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a co
 pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
 drafts (resolved before the next step is built), and ``plain_costs`` for plain steps run
 with overlap scheduling (the CPU builds step N+1 while the GPU runs step N), which is what
-decoding without speculation costs. A tier not measured yet is taken to cost what the
-nearest measured tier below it costs (none below: the nearest above). A step never costs
-less with more tokens, so that is the most the tier could gain: the chooser tries it when
-it would pay at that cost, and the step measures it. (On a GPU, small tiers cost nearly the
-same: an estimate that grew with the tokens would keep the larger ones from being tried.)
+decoding without speculation costs. An unmeasured verify tier is taken to cost what the
+nearest measured tier below it costs, and with none below, what a plain step costs: the
+least it could cost (a step never costs less with more tokens, nor a verify less than a
+plain step), so the chooser tries it where it would pay at that cost, and the step
+measures it. (On a GPU, small tiers cost nearly the same: an estimate that grew with the
+tokens would keep the larger ones from ever being tried.)
 
 Acceptance per request is the ratio of two decayed sums: drafts accepted and drafts tried
 (a verify of ``k`` drafts that accepts ``a`` tried ``a + 1`` of them, or ``k`` when it
-accepted all), each observation weighing ``1 / DECAY`` times the one before. A ratio of
-sums estimates the per-draft acceptance probability itself; an average of each verify's
-ratio would not (a run that accepts 0 of 1 and one that accepts 8 of 8 average to 1/2,
-not 8/9), and would sit well below the truth. A request not measured yet starts from the
-same ratio over all requests, worth one trial (``PRIOR`` before any).
+accepted all); each draft tried scales the evidence before it by ``DECAY``, so about the
+latest ``1 / (1 - DECAY)`` drafts count. A ratio of sums estimates the per-draft acceptance
+probability itself; an average of each verify's ratio would not (a run that accepts 0 of 1
+and one that accepts 8 of 8 average to 1/2, not 8/9), and sits well below the truth. A
+request not measured yet starts from the same ratio over all requests, worth one trial
+(``PRIOR`` before any).
+
+An engine starts coasting, so that plain steps are measured before any verify: a verify
+step's cost says nothing about a plain one's, which overlaps the host's work.
 
 Coasting: when a step's choice is zero drafts, speculation does not pay at the current
 estimates, and the engine runs plain overlapped steps (no drafting, no host sync) until it
@@ -44,7 +49,7 @@ from typing import Any
 from replaylm.spec.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
-DECAY = 0.7  # weight of the evidence before an observation, against the observation's
+DECAY = 0.95  # weight left to earlier evidence per draft tried
 WINDOW = 8  # step costs: the least of this many latest times per tier
 SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
@@ -69,15 +74,18 @@ def _observe(times: dict[int, deque[float]], costs: dict[int, float], tier: int,
 
 
 def _decayed(counts: tuple[float, float], accepted: int, tried: int) -> tuple[float, float]:
-    return DECAY * counts[0] + accepted, DECAY * counts[1] + tried
+    keep = DECAY ** tried
+    return keep * counts[0] + accepted, keep * counts[1] + tried
 
 
-def staircase(tiers: Sequence[int], measured: dict[int, float]) -> list[tuple[int, float]]:
+def staircase(tiers: Sequence[int], measured: dict[int, float],
+              floor: float | None = None) -> list[tuple[int, float]]:
     """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or else what the
-    nearest measured tier below costs (none below: the nearest above)."""
-    if not measured:
+    nearest measured tier below costs; tiers below every measured one cost ``floor``
+    (None: what the lowest measured tier costs). Empty when nothing is known."""
+    if not measured and floor is None:
         return []
-    below = measured[min(measured)]
+    below = floor if floor is not None else measured[min(measured)]
     out = []
     for t in tiers:
         below = measured.get(t, below)
@@ -136,8 +144,9 @@ class AdaptiveBudget:
         self._counts = _decayed(self._counts, accepted, tried)
         self.acceptance = self._counts[0] / self._counts[1]
 
-    def staircase(self) -> list[tuple[int, float]]:
-        return staircase(self.tiers, self.costs)
+    def staircase(self, floor: float | None = None) -> list[tuple[int, float]]:
+        """Verify steps' costs per tier (``floor``: below every measured tier)."""
+        return staircase(self.tiers, self.costs, floor)
 
     def plain_cost(self, num_tokens: int) -> float | None:
         """Seconds of a plain overlapped step of ``num_tokens`` tokens (None: not measured)."""
@@ -146,20 +155,22 @@ class AdaptiveBudget:
         return stairs.get(tier) if tier is not None else None
 
     def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int]) -> list[int]:
-        costs = self.staircase()
-        if not costs:
-            return max_drafts
-        return choose_budget(costs, base_tokens, [self.estimate(r) for r in reqs], max_drafts,
-                             base_cost=self.plain_cost(base_tokens))
+        base_cost = self.plain_cost(base_tokens)
+        if base_cost is None:  # plain decoding first: what speculation has to beat
+            return [0] * len(reqs)
+        return choose_budget(self.staircase(floor=base_cost), base_tokens,
+                             [self.estimate(r) for r in reqs], max_drafts, base_cost=base_cost)
 
     def choose(self, reqs: Sequence[Any], base_tokens: int) -> list[int]:
         """Trim each request's ``draft_tokens`` to its share of this step's budget; returns
-        the draft counts kept. Before any verify cost is measured, drafts are kept as
-        proposed. A choice of none starts coasting."""
+        the draft counts kept. Before any plain step is measured, none are kept (the plain
+        steps that follow measure what speculation has to beat). A choice of none starts
+        coasting."""
         ks = self._choice(reqs, base_tokens, [len(r.draft_tokens) for r in reqs])
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
+        self.coasting = not self.last_choice
         if self._verify_run is not None:
             self._verify_run += 1
             if self._verify_run >= SHORT_RUN:  # speculation paid for a while: no hold
@@ -168,7 +179,6 @@ class AdaptiveBudget:
             if self._verify_run is not None:  # a false start: hold the next stretch longer
                 self.hold = min(MAX_HOLD, max(SHORT_RUN, 2 * self.hold))
                 self._verify_run = None
-            self.coasting = True
             self._since_shadow = self._coasted = 0
         return ks
 

@@ -82,6 +82,19 @@ def test_greedy_output_equals_plain_under_preemption(target_dir, other_dir, plai
         assert sum(gs["hits"].values()) > 0 and gs["checks"] > 0  # the draft's own graphs
 
 
+def test_adaptive_budget_speculates_with_a_draft_model(target_dir, plain_traffic):
+    """A draft model never coasts (its own KV follows every step), so its engine measures
+    plain steps resolved in place; the adaptive budget must then verify self-drafts, which
+    are always accepted, and leave the output as plain decoding's."""
+    llm = _engine(target_dir, "eager", _spec(target_dir, budget="adaptive"))
+    assert _traffic(llm, seed=2, n_reqs=8, temperature=0.0) == plain_traffic
+    budget = llm.engine.budget
+    assert budget.plain_costs and budget.costs
+    st = llm.spec_stats()
+    assert st["verify_steps"] > 0 and st["acceptance_rate"] == 1.0
+    _check_pools(llm)
+
+
 def test_prefix_hits_n_and_aborts(target_dir, near_dir):
     kw = dict(num_kv_blocks=40, enable_prefix_caching=True)
     shared = [7, 8, 9, 10] * 8  # two full blocks shared by every prompt
