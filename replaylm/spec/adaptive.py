@@ -32,12 +32,12 @@ would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposal
 drafter on their known tokens, never verified: once the tokens they guessed have been
 generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
 proposals; otherwise known at the first token guessed wrong) update the acceptance
-estimates for free, and when the chooser would then
-verify drafts, coasting ends. When the verify steps that follow measure costs that send it
-straight back (within ``SHORT_RUN`` choices: a false start), the next stretch lasts at least
-``SHORT_RUN`` steps before shadow evidence may end it, twice that after another false start
-and so on up to ``MAX_HOLD`` (``hold``); a longer run of verifies clears the hold. A drafter
-with device state (a draft model) never coasts.
+estimates for free, and when the chooser would then verify drafts, coasting ends. When the
+verify steps that follow measure costs that send it straight back (within ``SHORT_RUN``
+choices: a false start), the next stretch lasts at least ``SHORT_RUN`` steps before shadow
+evidence may end it, twice that after another false start and so on up to ``MAX_HOLD``
+(``hold``); a longer run of verifies clears the hold. A drafter with device state (a draft
+model) never coasts.
 """
 
 from __future__ import annotations
