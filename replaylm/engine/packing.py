@@ -45,7 +45,8 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
     pen_rows: list[int] = []  # penalties: (sampled row, draft before it) pairs
     pen_tokens: list[int] = []
     verify = False
-    pad_to = pad_verify_to if any(sr.drafts and sr.sample for sr in out.scheduled) else 0
+    pad_to = pad_verify_to if pad_verify_to and any(
+        sr.drafts and sr.sample for sr in out.scheduled) else 0
     layout_pad = 0
     # Plain Python lists, one numpy conversion each at the end: at 256 decoding requests this
     # loop is per-step host time, and small numpy arrays per request cost more than they save.
