@@ -18,3 +18,17 @@ def graph_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"graph-{request.param}")
     model = make_checkpoint(request.param, path)
     return request.param, path, model
+
+#: The checkpoints the smoke subset (``-m "gpu and smoke"``) runs: a dense model and an MoE
+#: one. Each further kind compiles its own kernel variants, and the subset has two minutes
+#: on a fresh machine.
+SMOKE_KINDS = ("llama", "qwen2_moe")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the smoke mark only on the smoke kinds' runs of checkpoint-parametrized tests."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        kind = params.get("tiny_checkpoint", params.get("graph_checkpoint"))
+        if kind is not None and kind not in SMOKE_KINDS:
+            item.own_markers = [m for m in item.own_markers if m.name != "smoke"]
