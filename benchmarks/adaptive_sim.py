@@ -22,8 +22,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from replaylm.graphs.tiers import verify_token_tiers
+from replaylm.graphs.tiers import default_token_tiers, round_up, verify_token_tiers
 from replaylm.spec.adaptive import AdaptiveBudget
+
+#: The token tiers a speculative ``ragged`` engine captures at the default 512 graph tokens
+#: (``GraphPolicy.resolve(..., speculative=True)``).
+TIERS = sorted({*default_token_tiers(512), *verify_token_tiers(512)})
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,6 @@ class _Drafter:
         return self.accepted(req, len(drafts))
 
 
-def _tier(tiers: list[int], t: int) -> int:
-    return next((x for x in tiers if x >= t), t)
-
-
 def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
         budget: AdaptiveBudget | None = None) -> tuple[float, AdaptiveBudget | None]:
     """Output tokens per ms of ``policy`` (``plain``, ``k1`` .. ``k8``, ``adaptive``) for
@@ -97,11 +97,10 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
     state over from an earlier run (as one engine serving changing traffic)."""
     rng = random.Random(seed)
     drafter = _Drafter(p, rng)
-    tiers = sorted({*verify_token_tiers(64), *range(72, 257, 8), *range(272, 513, 16)})
     reqs = [_Req(tokens) for _ in range(sc.batch)]
     k_max = 8 if policy == "adaptive" else (int(policy[1:]) if policy != "plain" else 0)
     if policy == "adaptive" and budget is None:
-        budget = AdaptiveBudget(tiers, k_max)
+        budget = AdaptiveBudget(TIERS, k_max)
     elapsed = 0.0
     while not all(r.is_finished for r in reqs):
         live = [r for r in reqs if not r.is_finished]
@@ -127,7 +126,7 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
             r.output_token_ids += [0] * min(a + 1, r.max_tokens - r.num_output_tokens)
             r.draft_tokens = []
         if budget is not None:
-            budget.observe_step(_tier(tiers, n), cost * 1e-3, verified)
+            budget.observe_step(round_up(TIERS, n) or n, cost * 1e-3, verified)
             if budget.coasting and budget.shadow:
                 budget.shadow_check(drafter.shadow_accepted, lambda live=live: live,
                                     lambda live=live: len(live))

@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from replaylm.graphs.tiers import round_up
 from replaylm.spec.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
@@ -122,7 +123,7 @@ class AdaptiveBudget:
         self._verify_run: int | None = None  # choices since a shadow-ended stretch
 
     def tier_of(self, num_tokens: int) -> int | None:
-        return next((t for t in self.tiers if t >= num_tokens), None)
+        return round_up(self.tiers, num_tokens)
 
     def observe_step(self, tier: int | None, seconds: float, verified: bool) -> None:
         """A step's wall time (end of the previous step to end of this one)."""
