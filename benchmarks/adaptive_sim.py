@@ -101,17 +101,24 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
     k_max = 8 if policy == "adaptive" else (int(policy[1:]) if policy != "plain" else 0)
     if policy == "adaptive" and budget is None:
         budget = AdaptiveBudget(TIERS, k_max)
-    elapsed = 0.0
+    # The prefill step: no request decodes yet, so none drafts; the engine still asks the
+    # chooser (with no request), and the prompt's step costs about a plain one.
+    if budget is not None and not budget.coasting:
+        budget.choose([], sc.batch)
+    elapsed = sc.plain_ms
+    for r in reqs:
+        r.output_token_ids.append(0)
     while not all(r.is_finished for r in reqs):
         live = [r for r in reqs if not r.is_finished]
         coasting = budget is not None and budget.coasting
         drafts = [0] * len(live)
         if k_max and not coasting:
-            props = drafter.propose(live, [r.room(k_max) for r in live])
+            room = [r.room(k_max) for r in live]
+            props = drafter.propose(live, room)
             for r, d in zip(live, props):
                 r.draft_tokens = d
-            if budget is not None:
-                budget.choose([r for r in live if r.draft_tokens], len(live))
+            if budget is not None:  # as EngineCore._propose_drafts: those with room
+                budget.choose([r for r, k in zip(live, room) if k], len(live))
             drafts = [len(r.draft_tokens) for r in live]
         elif coasting:
             budget.shadow_round(drafter, lambda live=live: (live, [r.room(k_max) for r in live]))

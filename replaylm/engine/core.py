@@ -385,14 +385,16 @@ class EngineCore:
         for r in self.scheduler.running:
             r.draft_tokens = []
         reqs = self._decoding()
+        room = self._draft_room(reqs)
         t0 = time.perf_counter()
-        proposals = self.drafter.propose(reqs, self._draft_room(reqs))  # type: ignore[union-attr]
+        proposals = self.drafter.propose(reqs, room)  # type: ignore[union-attr]
         for r, drafts in zip(reqs, proposals):
             r.draft_tokens = drafts
         self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
         if self.budget is not None:
-            self.budget.choose([r for r in reqs if r.draft_tokens], self._base_tokens())
-            self.spec_stats.budget_tokens += self.budget.last_choice  # type: ignore[union-attr]
+            kept = self.budget.choose([r for r, k in zip(reqs, room) if k > 0],
+                                      self._base_tokens())
+            self.spec_stats.budget_tokens += sum(kept)  # type: ignore[union-attr]
 
     def _generating(self) -> list[Request]:
         """Running requests with output tokens (with a step in flight, a decoding request's

@@ -164,9 +164,13 @@ class AdaptiveBudget:
 
     def choose(self, reqs: Sequence[Any], base_tokens: int) -> list[int]:
         """Trim each request's ``draft_tokens`` to its share of this step's budget; returns
-        the draft counts kept. Before any plain step is measured, none are kept (the plain
-        steps that follow measure what speculation has to beat). A choice of none starts
-        coasting."""
+        the draft counts kept. ``reqs``: the requests with room for a draft (those without
+        proposals keep none); with none (a prefill step, or only requests at their last
+        token), there is nothing to decide and the state stays. Before any plain step is
+        measured, none are kept (the plain steps that follow measure what speculation has
+        to beat). A choice of none starts coasting."""
+        if not reqs:
+            return []
         ks = self._choice(reqs, base_tokens, [len(r.draft_tokens) for r in reqs])
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]

@@ -19,16 +19,21 @@ def graph_checkpoint(request, tmp_path_factory):
     model = make_checkpoint(request.param, path)
     return request.param, path, model
 
-#: The checkpoints the smoke subset (``-m "gpu and smoke"``) runs: a dense model and an MoE
-#: one. Each further kind compiles its own kernel variants, and the subset has two minutes
-#: on a fresh machine.
-SMOKE_KINDS = ("llama", "qwen2_moe")
+#: The checkpoints the smoke subset (``-m "gpu and smoke"``) runs, and the graph modes it runs
+#: each in (None: every mode): a dense model in every mode, an MoE one in ``ragged``. Each
+#: further kind or mode compiles its own kernel variants, and the subset has two minutes on
+#: a fresh machine.
+SMOKE_KINDS: dict[str, tuple[str, ...] | None] = {"llama": None, "qwen2_moe": ("ragged",)}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Keep the smoke mark only on the smoke kinds' runs of checkpoint-parametrized tests."""
+    """Keep the smoke mark only on the smoke kinds' (and modes') runs of
+    checkpoint-parametrized tests."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         kind = params.get("tiny_checkpoint", params.get("graph_checkpoint"))
-        if kind is not None and kind not in SMOKE_KINDS:
+        if kind is None:
+            continue
+        modes, mode = SMOKE_KINDS.get(kind, ()), params.get("mode")
+        if kind not in SMOKE_KINDS or (None not in (modes, mode) and mode not in modes):
             item.own_markers = [m for m in item.own_markers if m.name != "smoke"]

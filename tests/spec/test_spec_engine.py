@@ -220,6 +220,35 @@ def test_adaptive_coasting_overlaps_plain_steps(qwen3_dir, mode, monkeypatch):
     assert core.block_manager.num_used_blocks == 0
 
 
+def test_adaptive_budget_keeps_verifying_across_requests(qwen3_dir, monkeypatch):
+    """A prefill step and a request's last token leave the chooser nothing to decide, so
+    they must not start coasting: at batch 1 every new request would otherwise decode
+    plainly until shadow evidence ended the stretch."""
+    from replaylm.bench.spec import ControlledDrafter
+
+    llm = _engine(qwen3_dir, "eager", NGRAM | {"budget": "adaptive"})
+    core, budget = llm.engine, llm.engine.budget
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    refs = {tuple(p): o.outputs[0].token_ids
+            for p, o in zip(prompts, llm.generate(prompts, sp, use_tqdm=False))}
+    # Costs fixed where verifying every draft pays (CPU step times would make it flaky).
+    monkeypatch.setattr(budget, "observe_step", lambda *a, **k: None)
+    budget.plain_costs = dict.fromkeys(budget.tiers, 1.0)
+    budget.costs = dict.fromkeys(budget.tiers, 1.2)
+    budget.coasting, budget.hold = False, 0
+    core.use_drafter(ControlledDrafter(refs, 1.0, int(llm.model_config.vocab_size), 0))
+    for prompt in prompts * 2:
+        before = llm.spec_stats()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+        after = llm.spec_stats()
+        assert out == refs[tuple(prompt)]
+        assert after["coast_steps"] == before["coast_steps"]
+        # Every draft right: 23 tokens after the prefill's, 4 drafts + 1 per verify.
+        assert after["verify_steps"] - before["verify_steps"] == 5
+        assert not budget.coasting
+
+
 def test_spec_stats_reach_the_metrics(qwen3_dir):
     pytest.importorskip("prometheus_client")
     from replaylm.server.metrics import ServerMetrics
