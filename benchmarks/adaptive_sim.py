@@ -118,7 +118,8 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
             for r, d in zip(live, props):
                 r.draft_tokens = d
             if budget is not None:  # as EngineCore._propose_drafts: those with room
-                budget.choose([r for r, k in zip(live, room) if k], len(live))
+                able = [(r, k) for r, k in zip(live, room) if k]
+                budget.choose([r for r, _ in able], len(live), [k for _, k in able])
             drafts = [len(r.draft_tokens) for r in live]
         elif coasting:
             budget.shadow_round(drafter, lambda live=live: (live, [r.room(k_max) for r in live]))

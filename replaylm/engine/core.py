@@ -392,8 +392,9 @@ class EngineCore:
             r.draft_tokens = drafts
         self.spec_stats.draft_seconds += time.perf_counter() - t0  # type: ignore[union-attr]
         if self.budget is not None:
-            kept = self.budget.choose([r for r, k in zip(reqs, room) if k > 0],
-                                      self._base_tokens())
+            able = [(r, k) for r, k in zip(reqs, room) if k > 0]
+            kept = self.budget.choose([r for r, _ in able], self._base_tokens(),
+                                      [k for _, k in able])
             self.spec_stats.budget_tokens += sum(kept)  # type: ignore[union-attr]
 
     def _generating(self) -> list[Request]:

@@ -7,12 +7,14 @@ last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a co
 pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
 drafts (resolved before the next step is built), and ``plain_costs`` for plain steps run
 with overlap scheduling (the CPU builds step N+1 while the GPU runs step N), which is what
-decoding without speculation costs. An unmeasured verify tier is taken to cost what the
-nearest measured tier below it costs, and with none below, what a plain step costs: the
-least it could cost (a step never costs less with more tokens, nor a verify less than a
-plain step), so the chooser tries it where it would pay at that cost, and the step
-measures it. (On a GPU, small tiers cost nearly the same: an estimate that grew with the
-tokens would keep the larger ones from ever being tried.)
+decoding without speculation costs. An unmeasured verify tier is taken to cost what a
+line between the measured tiers on either side says; below every measured tier the line
+starts from what a plain step costs (the least a verify could cost), and above them all it
+stays at the highest one's cost. So the chooser tries an unmeasured tier where it would
+pay at that estimate, and the step measures it; each measurement narrows the estimates of
+the tiers around it, so a few tries find where speculation stops paying (a flat estimate
+below the lowest measured tier had the chooser walk down every tier, a bad step each, at
+64 requests).
 
 Acceptance per request is the ratio of two decayed sums: drafts accepted and drafts tried
 (a verify of ``k`` drafts that accepts ``a`` tried ``a + 1`` of them, or ``k`` when it
@@ -81,16 +83,26 @@ def _decayed(counts: tuple[float, float], accepted: int, tried: int) -> tuple[fl
 
 def staircase(tiers: Sequence[int], measured: dict[int, float],
               floor: float | None = None) -> list[tuple[int, float]]:
-    """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or else what the
-    nearest measured tier below costs; tiers below every measured one cost ``floor``
-    (None: what the lowest measured tier costs). Empty when nothing is known."""
+    """(tier, seconds) for every tier of ``tiers`` (sorted): measured, or else interpolated
+    linearly between the nearest measured tiers on either side (never below the one below);
+    above every measured tier, what the highest costs. Below every measured tier the line
+    starts from ``floor`` at the first tier (None: what the lowest measured tier costs).
+    Empty when nothing is known."""
     if not measured and floor is None:
         return []
-    below = floor if floor is not None else measured[min(measured)]
-    out = []
+    known = sorted(measured.items())
+    if not known or tiers[0] < known[0][0]:
+        known.insert(0, (tiers[0], floor if floor is not None else known[0][1]))
+    out, i = [], 0
     for t in tiers:
-        below = measured.get(t, below)
-        out.append((t, below))
+        while i + 1 < len(known) and known[i + 1][0] <= t:
+            i += 1
+        (a, ca), nxt = known[i], known[i + 1] if i + 1 < len(known) else None
+        if t == a or nxt is None:
+            out.append((t, ca))
+        else:
+            b, cb = nxt
+            out.append((t, max(ca, ca + (cb - ca) * (t - a) / (b - a))))
     return out
 
 
@@ -162,19 +174,28 @@ class AdaptiveBudget:
         return choose_budget(self.staircase(floor=base_cost), base_tokens,
                              [self.estimate(r) for r in reqs], max_drafts, base_cost=base_cost)
 
-    def choose(self, reqs: Sequence[Any], base_tokens: int) -> list[int]:
+    def choose(self, reqs: Sequence[Any], base_tokens: int,
+               room: Sequence[int] | None = None) -> list[int]:
         """Trim each request's ``draft_tokens`` to its share of this step's budget; returns
         the draft counts kept. ``reqs``: the requests with room for a draft (those without
-        proposals keep none); with none (a prefill step, or only requests at their last
-        token), there is nothing to decide and the state stays. Before any plain step is
+        proposals keep none), ``room``: how many drafts each has room for before its
+        ``max_tokens``. With no request (a prefill step, or only requests at their last
+        token) there is nothing to decide and the state stays. Before any plain step is
         measured, none are kept (the plain steps that follow measure what speculation has
-        to beat). A choice of none starts coasting."""
+        to beat). A choice of none starts coasting, unless it is none only because requests
+        near their end have room for fewer than ``num_speculative_tokens`` drafts (one draft
+        may not pay where eight do): that step runs plain and the state stays."""
         if not reqs:
             return []
-        ks = self._choice(reqs, base_tokens, [len(r.draft_tokens) for r in reqs])
+        most = [len(r.draft_tokens) for r in reqs]
+        ks = self._choice(reqs, base_tokens, most)
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
+        if not self.last_choice and room is not None:
+            full = [self.k if n == m < self.k else n for n, m in zip(most, room)]
+            if full != most and sum(self._choice(reqs, base_tokens, full)):
+                return ks
         self.coasting = not self.last_choice
         if self._verify_run is not None:
             self._verify_run += 1

@@ -141,6 +141,25 @@ def test_plain_cost_decides_and_zero_choice_coasts():
     assert b.choose([r], 1) == [0] and b.coasting and r.draft_tokens == []
 
 
+def test_a_request_near_its_end_does_not_start_coasting():
+    """One draft may not pay where four do: a request with room for one draft before its
+    max_tokens runs its step plain, but the engine keeps verifying; a drafter that proposes
+    one draft with room for four does start coasting."""
+    from replaylm.spec.adaptive import AdaptiveBudget
+
+    b = AdaptiveBudget([1, 2, 4, 8], 4)
+    b.observe_step(1, 1.0, verified=False)
+    b.observe_step(2, 1.9, verified=True)
+    b.observe_step(8, 2.0, verified=True)
+    r = _Req([7])
+    r.spec_acceptance = 0.8
+    assert b.choose([r], 1, room=[1]) == [0] and not b.coasting  # 1.8 / 1.9 < 1 / 1.0
+    r.draft_tokens = [7, 8, 9, 10]
+    assert b.choose([r], 1, room=[4]) == [4] and not b.coasting  # 3.36 / 2.0 > 1 / 1.0
+    r.draft_tokens = [7]
+    assert b.choose([r], 1, room=[4]) == [0] and b.coasting  # the drafter had no more
+
+
 def test_coasting_learns_from_shadow_proposals_and_ends():
     from replaylm.spec import adaptive
     from replaylm.spec.adaptive import AdaptiveBudget
