@@ -12,9 +12,9 @@ line between the measured tiers on either side says; below every measured tier t
 starts from what a plain step costs (the least a verify could cost), and above them all it
 stays at the highest one's cost. So the chooser tries an unmeasured tier where it would
 pay at that estimate, and the step measures it; each measurement narrows the estimates of
-the tiers around it, so a few tries find where speculation stops paying (a flat estimate
-below the lowest measured tier had the chooser walk down every tier, a bad step each, at
-64 requests).
+the tiers around it, so a few tries find where speculation stops paying (with a flat
+estimate below the lowest measured tier, the chooser would try every tier on the way down,
+a bad step each at 64 requests).
 
 Acceptance per request is the ratio of two decayed sums: drafts accepted and drafts tried
 (a verify of ``k`` drafts that accepts ``a`` tried ``a + 1`` of them, or ``k`` when it
