@@ -79,7 +79,7 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     assert b.output_token_ids == reference_output(b, 48)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_property_random_traffic(data: st.DataObject) -> None:
     max_model_len = data.draw(st.integers(8, 96), label="max_model_len")

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 
 from replaylm import LLM, SamplingParams
 from tests.serve_process import serve_process
@@ -39,9 +38,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("flags", [("--tensor-parallel-size", "2"),
-                                   ("--data-parallel-size", "2")])
-def test_serve_over_worker_processes_matches_one_engine_and_exits_cleanly(tmp_path, flags):
+def test_serve_over_worker_processes_matches_one_engine_and_exits_cleanly(tmp_path):
+    """The server over two data-parallel ranks (the driver's multi-rank path: routing, every
+    rank's statistics merged into ``/metrics``, both ranks' shutdown). Tensor parallel goes
+    through the same driver with one leader; its equalities are in tests/distributed."""
+    flags = ("--data-parallel-size", "2")
     llm = LLM("default", device="cpu", enforce_eager=True, num_kv_blocks=64, max_model_len=256)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
