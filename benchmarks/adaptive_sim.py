@@ -101,10 +101,8 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
     k_max = 8 if policy == "adaptive" else (int(policy[1:]) if policy != "plain" else 0)
     if policy == "adaptive" and budget is None:
         budget = AdaptiveBudget(TIERS, k_max)
-    # The prefill step: no request decodes yet, so none drafts; the engine still asks the
-    # chooser (with no request), and the prompt's step costs about a plain one.
-    if budget is not None and not budget.coasting:
-        budget.choose([], sc.batch)
+    # The prefill step: no request decodes yet, so none drafts (the chooser has nothing to
+    # decide); it costs about a plain step and samples each request's first token.
     elapsed = sc.plain_ms
     for r in reqs:
         r.output_token_ids.append(0)
