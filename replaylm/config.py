@@ -63,9 +63,13 @@ _HELP: dict[str, str] = {
     "shipped_tuning_table": "take the projection-kernel decisions this machine's tuning "
     "cache lacks from the table shipped for this GPU model (same torch, Triton, PDL mode and "
     "kernel sources only); --no-shipped-tuning-table times every shape here",
-    "tuning_compile_threads": "threads that compile the projection kernels' tile candidates "
-    "before they are timed (0 = one per CPU core, at most 16; 1 = each compiles when first "
-    "timed)",
+    "tuning_compile_threads": "threads that compile kernels ahead: the projection kernels' "
+    "tile candidates before they are timed, and the compile plan's variants (0 = one per CPU "
+    "core, at most 16; 1 = candidates compile when first timed)",
+    "compile_ahead": "on CUDA, compile at start-up, on a thread pool, the kernel variants an "
+    "earlier start with the same model shapes and settings compiled (its compile plan, "
+    "kept in the cache directory; replaylm ships plans for some GPUs), and save this "
+    "start's plan",
     "rope_in_attention_max_reqs": "decode steps of up to this many requests do q/k norm, "
     "rotary and the KV write inside the attention launch (fused kernels, modes that graph "
     "attention with the model); 0 = never",
@@ -131,6 +135,7 @@ class EngineArgs:
     pdl: str = "auto"
     shipped_tuning_table: bool = True
     tuning_compile_threads: int = 0
+    compile_ahead: bool = True
     rope_in_attention_max_reqs: int = 1
     # The largest measured size at which the side stream paid (docs/benchmarks.md, MoE).
     moe_side_stream_max_tokens: int = 64

@@ -24,7 +24,7 @@ from replaylm.engine.request import Request
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.graphs.policy import Dispatch, GraphPolicy, attention_backend_name, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
-from replaylm.kernels import jit_clock
+from replaylm.kernels import compile_plan, jit_clock
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -162,6 +162,7 @@ class ModelRunner:
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         self._load(model_dir)
+        self.compile_plan = self._compile_ahead()
         self.all_reduce_report = self._configure_all_reduce()
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
                                    max_rows=args.max_num_seqs * self.rows_per_req)
@@ -173,6 +174,7 @@ class ModelRunner:
         self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self._warm_sampler()
         self._start_graphs()
+        self._save_compile_plan()
 
     def _setup(self, args: EngineArgs, cfg: ModelConfig, max_model_len: int,
                tp: TensorParallel | None = None, dp: DataParallelAttention | None = None
@@ -192,6 +194,8 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self._jit_snapshot()  # on CUDA: count Triton's compiles from here (start-up split)
+        if self.device.type == "cuda":
+            compile_plan.install()  # note the kernel variants this start compiles
         self.graph_mode = resolve_mode(args.cuda_graph_mode, args.enforce_eager, self.device.type)
         self.policy = GraphPolicy.resolve(
             self.graph_mode, graph_tiers=args.graph_tiers, max_graph_tokens=args.max_graph_tokens,
@@ -255,6 +259,38 @@ class ModelRunner:
         jit_before = self._jit_snapshot()
         self.graphs.capture()
         self.capture_jit = self._jit_snapshot().since(jit_before)
+
+    def _plan_key(self) -> str:
+        return compile_plan.plan_key(torch.cuda.get_device_name(self.device),
+                                     dataclasses.asdict(self.cfg), dataclasses.asdict(self.args))
+
+    def _compile_ahead(self) -> compile_plan.PreloadStats | None:
+        """On CUDA with ``EngineArgs.compile_ahead``: compile, on a thread pool, the kernel
+        variants an earlier start with these shapes and settings compiled (``kernels.
+        compile_plan``), before anything launches them; None otherwise."""
+        if self.device.type != "cuda" or not self.args.compile_ahead:
+            return None
+        from replaylm.kernels import tuner
+
+        entries, source = compile_plan.read(self._plan_key())
+        if not entries:
+            return None
+        threads = tuner.compile_threads(self.args.tuning_compile_threads)
+        stats = compile_plan.preload(entries, threads)
+        stats.source = str(source)
+        log.info("compile plan %s: %d kernels compiled ahead on %d threads in %.2f s "
+                 "(%d skipped, %d refused)", source, stats.submitted, threads, stats.seconds,
+                 stats.skipped, stats.failed)
+        return stats
+
+    def _save_compile_plan(self) -> None:
+        """Write the kernel variants this start compiled as its compile plan (on CUDA)."""
+        if self.device.type != "cuda" or not self.args.compile_ahead:
+            return
+        try:
+            compile_plan.save(self._plan_key())
+        except OSError as e:  # a read-only cache directory: the next start compiles as usual
+            log.warning("compile plan not saved: %s", e)
 
     def _configure_pdl(self) -> bool:
         """Apply ``EngineArgs.pdl`` to the Triton kernels (process-wide); returns whether

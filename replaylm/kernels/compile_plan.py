@@ -1,0 +1,205 @@
+"""Compile plans: the Triton kernel variants a start compiled, so that a later start with a
+cold Triton cache compiles them all at once, on a thread pool, before the model needs them.
+
+Without a plan a start compiles its kernels one at a time, as the model first launches each
+(about 0.8 s each on the H200, 36 of them for ``llama3.2-1b``). With one, ``preload``
+submits every variant to ``triton.AsyncCompileMode`` on a thread pool (ptxas runs as a
+subprocess and Triton's native passes release the GIL, so compiles overlap), and each
+compiled kernel lands in its ``JITFunction``'s in-memory cache under the key the model's
+launch computes, where the launch finds it.
+
+Recording: ``install`` sets Triton's ``jit_post_compile_hook``; every replaylm kernel this
+process compiles (or loads from Triton's disk cache) is noted with Triton's own serialized
+specialization (signature, constexprs, attributes, options), except inside ``paused()``
+(the tuner's candidate pass, which has its own pool and compiles candidates a later start
+may not need). ``save`` writes the notes to ``cache_dir()/compile_plans/<key>.json``.
+
+A plan is keyed (``plan_key``) by the GPU model, the torch and Triton versions, the model's
+shapes (not its name or path: a checkpoint and its named shape share plans) and the engine
+settings that reach the kernels; ``replaylm/kernels/tuned/compile_plans/`` ships plans made
+on lab GPUs, read when the user has none. An entry whose kernel source has changed since
+(``JITFunction.cache_key``) is skipped, and one that fails to compile is dropped: the
+launch compiles it again and fails as it would have without the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+from replaylm.env import cache_dir
+
+log = logging.getLogger(__name__)
+
+#: Plans shipped with replaylm (package data).
+SHIPPED_DIR = Path(__file__).resolve().parent / "tuned" / "compile_plans"
+#: Engine settings that never reach a kernel: a plan made under one value serves every other.
+UNRELATED_ARGS = frozenset({"model", "tokenizer", "revision", "seed", "load_format",
+                            "download_dir", "served_model_name", "skip_tokenizer_init",
+                            "max_queue", "compile_ahead"})
+
+_paused: ContextVar[bool] = ContextVar("compile_plan_paused", default=False)
+_lock = threading.Lock()
+_recorded: dict[str, dict[str, str]] = {}  # specialization data -> entry
+_installed = False
+
+
+@dataclasses.dataclass
+class PreloadStats:
+    """What ``preload`` did: variants submitted, skipped (kernel source changed or gone),
+    failed (refused before compiling), and the seconds until every compile had finished."""
+
+    submitted: int = 0
+    skipped: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    source: str | None = None  # the plan file read
+
+
+def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any]) -> str:
+    """The file name (without ``.json``) of the plan for this GPU, model shapes and engine
+    settings under this process's torch and Triton."""
+    import torch
+    import triton
+
+    shapes = {k: v for k, v in model.items() if k != "name"}
+    settings = {k: v for k, v in args.items() if k not in UNRELATED_ARGS}
+    text = json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+                       "model": shapes, "args": settings}, sort_keys=True, default=repr)
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-") or "gpu"
+    return f"{slug}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def _note(*, key: Any, repr: Any, fn: Any, compile: dict[str, Any], is_manual_warmup: bool,
+          already_compiled: bool) -> None:
+    """Triton's post-compile hook: note a replaylm kernel's specialization."""
+    module = getattr(fn, "module", "")
+    if _paused.get() or not module.startswith("replaylm."):
+        return
+    jit_fn = getattr(fn, "jit_function", None)
+    data = compile.get("specialization_data")
+    if jit_fn is None or not data:
+        return
+    with _lock:
+        _recorded[data] = {"fn": f"{module}:{fn.name}", "fn_key": jit_fn.cache_key, "data": data}
+
+
+def install() -> None:
+    """Note the replaylm kernels compiled from now on (once per process; chained after any
+    hook already set; a no-op without Triton)."""
+    global _installed
+    if _installed:
+        return
+    try:
+        import triton
+    except ImportError:
+        return
+    runtime = triton.knobs.runtime
+    previous = runtime.jit_post_compile_hook
+
+    def hook(**kwargs: Any) -> Any:
+        _note(**kwargs)
+        return previous(**kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+    _installed = True
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Compiles inside this context are not noted."""
+    token = _paused.set(True)
+    try:
+        yield
+    finally:
+        _paused.reset(token)
+
+
+def recorded() -> list[dict[str, str]]:
+    """The entries noted so far."""
+    with _lock:
+        return list(_recorded.values())
+
+
+def user_path(key: str) -> Path:
+    return cache_dir() / "compile_plans" / f"{key}.json"
+
+
+def save(key: str, directory: Path | None = None) -> Path | None:
+    """Write the entries noted so far as the plan ``key`` (atomically: ranks of one job may
+    write the same plan); returns the file, or None with nothing noted."""
+    entries = recorded()
+    if not entries:
+        return None
+    path = (directory / f"{key}.json") if directory is not None else user_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"kernels": entries}, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def read(key: str, shipped_dir: Path | None = None) -> tuple[list[dict[str, str]], Path | None]:
+    """The plan ``key``: the user's, else a shipped one; empty when neither exists or the
+    file is unreadable."""
+    for path in (user_path(key), (shipped_dir or SHIPPED_DIR) / f"{key}.json"):
+        try:
+            entries = json.loads(path.read_text())["kernels"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(entries, list):
+            return [e for e in entries if isinstance(e, dict)], path
+    return [], None
+
+
+def resolve(path: str) -> Any:
+    """The ``JITFunction`` named ``module:qualname`` (through wrappers that hold it as
+    ``fn``), or None."""
+    module_name, _, name = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    while obj is not None and not hasattr(obj, "preload"):
+        obj = getattr(obj, "fn", None)
+    return obj
+
+
+def preload(entries: list[dict[str, str]], threads: int) -> PreloadStats:
+    """Compile ``entries`` on ``threads`` threads; returns when every compile has ended."""
+    import triton
+
+    stats = PreloadStats()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="replaylm-plan") as pool, \
+            triton.AsyncCompileMode(pool, ignore_errors=True):
+        for entry in entries:
+            fn = resolve(str(entry.get("fn", "")))
+            if fn is None or getattr(fn, "cache_key", None) != entry.get("fn_key"):
+                stats.skipped += 1
+                continue
+            try:
+                fn.preload(entry["data"])
+            except Exception as e:  # noqa: BLE001 - the launch compiles it as it would have
+                log.debug("compile plan: %s not preloaded: %s", entry.get("fn"), e)
+                stats.failed += 1
+                continue
+            stats.submitted += 1
+    stats.seconds = time.perf_counter() - start
+    return stats

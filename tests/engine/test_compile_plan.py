@@ -1,0 +1,116 @@
+"""Compile plans (``kernels.compile_plan``): keys, recording, files and the preload pass.
+
+Triton compiles nothing without a GPU, so the preload here drives fake kernels through the
+real ``triton.AsyncCompileMode``; the GPU suite starts engines that record and replay."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from replaylm.kernels import compile_plan as cp
+
+MODEL = {"name": "llama3.2-1b", "hidden_size": 2048, "num_layers": 16}
+ARGS = {"model": "llama3.2-1b", "seed": 0, "max_num_seqs": 256, "cuda_graph_mode": "ragged"}
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("REPLAYLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cp, "_recorded", {})
+    return tmp_path
+
+
+def test_the_key_names_shapes_and_settings_not_the_checkpoint():
+    key = cp.plan_key("NVIDIA H200", MODEL, ARGS)
+    assert key.startswith("nvidia-h200-")
+    assert cp.plan_key("NVIDIA H200", MODEL | {"name": "/ckpt/Llama-3.2-1B"},
+                       ARGS | {"model": "/ckpt/Llama-3.2-1B", "seed": 7}) == key
+    assert cp.plan_key("NVIDIA H100", MODEL, ARGS) != key
+    assert cp.plan_key("NVIDIA H200", MODEL | {"hidden_size": 4096}, ARGS) != key
+    assert cp.plan_key("NVIDIA H200", MODEL, ARGS | {"max_num_seqs": 64}) != key
+
+
+def _info(module, name, cache_key="src-1"):
+    return SimpleNamespace(module=module, name=name,
+                           jit_function=SimpleNamespace(cache_key=cache_key))
+
+
+def _compiled(info, data):
+    cp._note(key="k", repr="r", fn=info, compile={"specialization_data": data},
+             is_manual_warmup=False, already_compiled=False)
+
+
+def test_replaylm_kernels_are_noted_outside_a_pause_and_saved(fresh):
+    _compiled(_info("replaylm.kernels.argmax", "_argmax_kernel"), '{"a": 1}')
+    _compiled(_info("replaylm.kernels.argmax", "_argmax_kernel"), '{"a": 1}')  # once
+    _compiled(_info("someone.else", "kernel"), '{"b": 2}')
+    with cp.paused():
+        _compiled(_info("replaylm.kernels.skinny", "_skinny_kernel"), '{"c": 3}')
+    assert cp.recorded() == [{"fn": "replaylm.kernels.argmax:_argmax_kernel",
+                              "fn_key": "src-1", "data": '{"a": 1}'}]
+    path = cp.save("plan")
+    assert path == fresh / "compile_plans" / "plan.json"
+    entries, source = cp.read("plan")
+    assert entries == cp.recorded() and source == path
+    assert cp.read("other") == ([], None)
+    path.write_text("not json")
+    assert cp.read("plan") == ([], None)
+
+
+def test_a_shipped_plan_serves_when_the_user_has_none(fresh, tmp_path_factory):
+    shipped = tmp_path_factory.mktemp("shipped")
+    _compiled(_info("replaylm.kernels.argmax", "_argmax_kernel"), '{"a": 1}')
+    cp.save("plan", directory=shipped)
+    entries, source = cp.read("plan", shipped_dir=shipped)
+    assert len(entries) == 1 and source == shipped / "plan.json"
+
+
+def test_install_chains_the_hook_already_set(monkeypatch, fresh):
+    triton = pytest.importorskip("triton")
+    calls = []
+    monkeypatch.setattr(cp, "_installed", False)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: calls.append(kw["key"]))
+    cp.install()
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    hook(key="k1", repr="r", fn=_info("replaylm.kernels.elementwise", "_silu_mul_kernel"),
+         compile={"specialization_data": "{}"}, is_manual_warmup=True, already_compiled=False)
+    assert calls == ["k1"] and len(cp.recorded()) == 1
+
+
+def test_kernel_names_resolve_to_their_jit_functions():
+    pytest.importorskip("triton")
+    from replaylm.env import triton_interpreted
+
+    fn = cp.resolve("replaylm.kernels.argmax:_argmax_kernel")
+    if triton_interpreted():  # interpreted kernels compile nothing: no plan to replay
+        assert fn is None
+    else:
+        assert hasattr(fn, "preload") and isinstance(fn.cache_key, str)
+    assert cp.resolve("replaylm.kernels.argmax:no_such_kernel") is None
+    assert cp.resolve("replaylm.no_such_module:kernel") is None
+
+
+def test_preload_skips_changed_sources_and_survives_refusals(monkeypatch):
+    pytest.importorskip("triton")
+    preloaded = []
+
+    class Kernel:
+        def __init__(self, cache_key, refuse=False):
+            self.cache_key, self.refuse = cache_key, refuse
+
+        def preload(self, data):
+            if self.refuse:
+                raise RuntimeError("specialization for another kernel")
+            preloaded.append(data)
+
+    kernels = {"m:same": Kernel("src-1"), "m:changed": Kernel("src-2"),
+               "m:refuses": Kernel("src-1", refuse=True)}
+    monkeypatch.setattr(cp, "resolve", kernels.get)
+    entries = [{"fn": name, "fn_key": "src-1", "data": name} for name in
+               ("m:same", "m:changed", "m:refuses", "m:gone")]
+    stats = cp.preload(entries, threads=2)
+    assert preloaded == ["m:same"]
+    assert (stats.submitted, stats.skipped, stats.failed) == (1, 2, 1)
