@@ -276,7 +276,11 @@ class ModelRunner:
         if not entries:
             return None
         threads = tuner.compile_threads(self.args.tuning_compile_threads)
-        stats = compile_plan.preload(entries, threads)
+        try:
+            stats = compile_plan.preload(entries, threads)
+        except Exception as e:  # noqa: BLE001 - without the plan the launches compile as usual
+            log.warning("compile plan %s not preloaded: %s", source, e)
+            return None
         stats.source = str(source)
         log.info("compile plan %s: %d kernels compiled ahead on %d threads in %.2f s "
                  "(%d skipped, %d refused)", source, stats.submitted, threads, stats.seconds,

@@ -86,7 +86,7 @@ def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any]) -> str:
 def _note(*, key: Any, repr: Any, fn: Any, compile: dict[str, Any], is_manual_warmup: bool,
           already_compiled: bool) -> None:
     """Triton's post-compile hook: note a replaylm kernel's specialization."""
-    module = getattr(fn, "module", "")
+    module = str(getattr(fn.module, "__name__", fn.module))
     if _paused.get() or not module.startswith("replaylm."):
         return
     jit_fn = getattr(fn, "jit_function", None)
@@ -111,7 +111,10 @@ def install() -> None:
     previous = runtime.jit_post_compile_hook
 
     def hook(**kwargs: Any) -> Any:
-        _note(**kwargs)
+        try:
+            _note(**kwargs)
+        except Exception as e:  # noqa: BLE001 - a plan is an optimisation, the compile is not
+            log.debug("compile plan: a compile not noted: %s", e)
         return previous(**kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook
