@@ -6,13 +6,19 @@ them on a GPU, then build or merge them.
         --models llama3.2-1b,llama3-8b,qwen3-0.6b --out /tmp/tuning
     # anywhere: the shipped tables from those caches (merged with the tables already there)
     PYTHONPATH=. python benchmarks/tuning_table.py build /tmp/tuning/*.linear_tuning.json
+    # and the compile plans those starts recorded (``kernels.compile_plan``)
+    PYTHONPATH=. python benchmarks/tuning_table.py ship-plans /tmp/tuning/compile_plans/*.json
 
 ``measure`` starts each model once, in a fresh process with an empty replaylm cache and an
 empty Triton cache and without the shipped table (``--no-shipped-tuning-table``), so the
 engine times every projection shape its graphs use, as on a new machine; then it copies the
-user cache that start wrote to ``OUT/<model>.linear_tuning.json`` and writes
-``OUT/measure.json`` (each start's seconds and decisions). Every engine flag applies (e.g.
-``--pdl off`` for the decisions made without PDL).
+user cache that start wrote to ``OUT/<model>.linear_tuning.json``, its compile plan to
+``OUT/compile_plans/``, and writes ``OUT/measure.json`` (each start's seconds and
+decisions). Every engine flag applies (e.g. ``--pdl off`` for the decisions made without
+PDL).
+
+``ship-plans`` copies compile plans into ``replaylm/kernels/tuned/compile_plans/`` (package
+data), where a start whose user cache has no plan for its key finds them.
 
 ``winners`` counts, per row-block size, how often each tile (or the unfused path) won in
 measured caches or tables: data for pruning ``skinny.CANDIDATES``.
@@ -194,6 +200,11 @@ def measure(models: Sequence[str], out: Path, base: Any, timeout: float,
                     row["cache"] = str(saved)
                 else:
                     row["error"] = "the start wrote no tuning cache (fused kernels off, or no GPU?)"
+                row["plans"] = []
+                for plan in sorted((Path(tmp) / "replaylm" / "compile_plans").glob("*.json")):
+                    (out / "compile_plans").mkdir(exist_ok=True)
+                    shutil.copyfile(plan, out / "compile_plans" / plan.name)
+                    row["plans"].append(str(out / "compile_plans" / plan.name))
         rows.append(row)
         if "error" in row:
             log(f"[tuning] {model}: failed: {row['error']}")
@@ -205,6 +216,23 @@ def measure(models: Sequence[str], out: Path, base: Any, timeout: float,
     return rows
 
 
+def ship_plans(paths: Sequence[Path], plan_dir: Path, log: Any = print) -> None:
+    """Copy compile plans into ``plan_dir``; ``ValueError`` naming a file that is not one
+    (nothing is copied then)."""
+    for path in paths:
+        try:
+            kernels = json.loads(path.read_text())["kernels"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a compile plan ({e})") from None
+        if not isinstance(kernels, list) or not all(
+                isinstance(k, dict) and {"fn", "fn_key", "data"} <= k.keys() for k in kernels):
+            raise ValueError(f"{path}: not a compile plan (bad kernel entries)")
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        shutil.copyfile(path, plan_dir / path.name)
+        log(f"[tuning] {path.name} -> {plan_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--table-dir", type=Path, default=ROOT / "replaylm" / "kernels" / "tuned",
                    help="where the tables are (default: replaylm/kernels/tuned)")
     b.add_argument("--dry-run", action="store_true", help="report, write nothing")
+    p = sub.add_parser("ship-plans", help="copy compile plans into the shipped ones")
+    p.add_argument("plans", nargs="+", type=Path, help="compile plans (measure's OUT/compile_plans)")
+    p.add_argument("--plan-dir", type=Path,
+                   default=ROOT / "replaylm" / "kernels" / "tuned" / "compile_plans",
+                   help="where the shipped plans are (default: replaylm/kernels/tuned/"
+                   "compile_plans)")
     w = sub.add_parser("winners", help="how often each tile won in measured caches or tables")
     w.add_argument("caches", nargs="+", type=Path, help="tuning caches or shipped tables")
     m = sub.add_parser("measure", help="time every shape of some models on this GPU")
@@ -230,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             build(ns.caches, ns.table_dir, kernels_revision(), ns.dry_run)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if ns.command == "ship-plans":
+        try:
+            ship_plans(ns.plans, ns.plan_dir)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

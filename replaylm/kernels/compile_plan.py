@@ -49,7 +49,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "tuned" / "compile_plans"
 #: Engine settings that never reach a kernel: a plan made under one value serves every other.
 UNRELATED_ARGS = frozenset({"model", "tokenizer", "revision", "seed", "load_format",
                             "download_dir", "served_model_name", "skip_tokenizer_init",
-                            "max_queue", "compile_ahead"})
+                            "max_queue", "compile_ahead", "shipped_tuning_table",
+                            "tuning_compile_threads"})
 
 _paused: ContextVar[bool] = ContextVar("compile_plan_paused", default=False)
 _lock = threading.Lock()

@@ -111,7 +111,12 @@ def test_shipped_tables_are_package_data():
 
     assert SHIPPED_DIR == ROOT / "replaylm" / "kernels" / "tuned"
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "kernels/tuned/*.json" in data["tool"]["setuptools"]["package-data"]["replaylm"]
+    package_data = data["tool"]["setuptools"]["package-data"]["replaylm"]
+    assert "kernels/tuned/*.json" in package_data
+    from replaylm.kernels.compile_plan import SHIPPED_DIR as PLANS
+
+    assert PLANS == SHIPPED_DIR / "compile_plans"
+    assert "kernels/tuned/compile_plans/*.json" in package_data
     for table in SHIPPED_DIR.glob("*.json"):  # every shipped table is a valid cache
         tuning_table.read_cache(table)
 
@@ -142,8 +147,9 @@ def test_measure_starts_each_model_without_the_table_and_keeps_its_cache(tmp_pat
     def fake_start(args, cache, timeout):
         seen.append((args.model, args.shipped_tuning_table, args.load_format, list(cache.iterdir())))
         if args.model != "llama3-8b":
-            (cache / "replaylm").mkdir(parents=True)
+            (cache / "replaylm" / "compile_plans").mkdir(parents=True)
             write(cache / "replaylm" / "linear_tuning.json", {key(H200, S1): [None, 1.0, 1.0]})
+            write(cache / "replaylm" / "compile_plans" / "nvidia-h200-1.json", {"kernels": []})
         return {"ready_s": 9.0, "tune_s": 5.0, "decisions": {"cache": 0, "shipped": 0,
                                                              "tuned": 1},
                 "tuning": {"candidates_timed": 10}}
@@ -156,4 +162,18 @@ def test_measure_starts_each_model_without_the_table_and_keeps_its_cache(tmp_pat
     assert json.loads((out / "qwen3-0.6b.linear_tuning.json").read_text()) == {
         key(H200, S1): [None, 1.0, 1.0]}
     assert "error" not in rows[0] and "no tuning cache" in rows[1]["error"]
+    assert rows[0]["plans"] == [str(out / "compile_plans" / "nvidia-h200-1.json")]
+    assert rows[1]["plans"] == []
     assert json.loads((out / "measure.json").read_text())["starts"] == rows
+
+
+def test_ship_plans_copies_compile_plans_and_refuses_other_files(tmp_path):
+    plan = write(tmp_path / "nvidia-h200-1.json",
+                 {"kernels": [{"fn": "replaylm.kernels.argmax:_argmax_kernel", "fn_key": "k",
+                               "data": "{}"}]})
+    bad = write(tmp_path / "bad.json", {"kernels": [{"fn": "x"}]})
+    shipped = tmp_path / "shipped"
+    assert tuning_table.main(["ship-plans", str(plan), str(bad), "--plan-dir", str(shipped)]) == 2
+    assert not shipped.exists()
+    assert tuning_table.main(["ship-plans", str(plan), "--plan-dir", str(shipped)]) == 0
+    assert (shipped / plan.name).read_text() == plan.read_text()
