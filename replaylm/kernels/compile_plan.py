@@ -46,11 +46,13 @@ log = logging.getLogger(__name__)
 
 #: Plans shipped with replaylm (package data).
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned" / "compile_plans"
-#: Engine settings that never reach a kernel: a plan made under one value serves every other.
-UNRELATED_ARGS = frozenset({"model", "tokenizer", "revision", "seed", "load_format",
-                            "download_dir", "served_model_name", "skip_tokenizer_init",
-                            "max_queue", "compile_ahead", "shipped_tuning_table",
-                            "tuning_compile_threads"})
+#: Engine settings that never reach a kernel's specialization: a plan made under one value
+#: serves every other. (A plan entry that no launch uses costs one compile on the pool.)
+UNRELATED_ARGS = frozenset({
+    "model", "tokenizer", "seed", "load_format", "skip_tokenizer_init", "compile_ahead",
+    "shipped_tuning_table", "tuning_compile_threads", "gpu_memory_utilization",
+    "num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs", "max_stop_strings",
+    "max_stop_string_length", "distributed_timeout_s", "graph_check"})
 
 _paused: ContextVar[bool] = ContextVar("compile_plan_paused", default=False)
 _lock = threading.Lock()

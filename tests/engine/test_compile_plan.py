@@ -114,3 +114,11 @@ def test_preload_skips_changed_sources_and_survives_refusals(monkeypatch):
     stats = cp.preload(entries, threads=2)
     assert preloaded == ["m:same"]
     assert (stats.submitted, stats.skipped, stats.failed) == (1, 2, 1)
+
+
+def test_the_settings_left_out_of_the_key_are_engine_settings():
+    import dataclasses
+
+    from replaylm.config import EngineArgs
+
+    assert cp.UNRELATED_ARGS <= {f.name for f in dataclasses.fields(EngineArgs)}
