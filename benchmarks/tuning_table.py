@@ -6,19 +6,25 @@ them on a GPU, then build or merge them.
         --models llama3.2-1b,llama3-8b,qwen3-0.6b --out /tmp/tuning
     # anywhere: the shipped tables from those caches (merged with the tables already there)
     PYTHONPATH=. python benchmarks/tuning_table.py build /tmp/tuning/*.linear_tuning.json
-    # and the compile plans those starts recorded (``kernels.compile_plan``)
-    PYTHONPATH=. python benchmarks/tuning_table.py ship-plans /tmp/tuning/compile_plans/*.json
+    # on the GPU, with those tables built: each model's compile plan (``kernels.compile_plan``)
+    PYTHONPATH=. python benchmarks/tuning_table.py plans \
+        --models llama3.2-1b,llama3-8b,qwen3-0.6b --out /tmp/plans
+    # anywhere: ship those plans
+    PYTHONPATH=. python benchmarks/tuning_table.py ship-plans /tmp/plans/compile_plans/*.json
 
 ``measure`` starts each model once, in a fresh process with an empty replaylm cache and an
 empty Triton cache and without the shipped table (``--no-shipped-tuning-table``), so the
 engine times every projection shape its graphs use, as on a new machine; then it copies the
-user cache that start wrote to ``OUT/<model>.linear_tuning.json``, its compile plan to
-``OUT/compile_plans/``, and writes ``OUT/measure.json`` (each start's seconds and
-decisions). Every engine flag applies (e.g. ``--pdl off`` for the decisions made without
-PDL).
+user cache that start wrote to ``OUT/<model>.linear_tuning.json`` and writes
+``OUT/measure.json`` (each start's seconds and decisions). Every engine flag applies (e.g.
+``--pdl off`` for the decisions made without PDL).
 
-``ship-plans`` copies compile plans into ``replaylm/kernels/tuned/compile_plans/`` (package
-data), where a start whose user cache has no plan for its key finds them.
+``plans`` starts each model once from empty caches *with* the shipped tables, as a user's
+first start runs, and copies the compile plan it recorded (the kernel variants it compiled)
+to ``OUT/compile_plans/``; ``ship-plans`` copies plans into ``replaylm/kernels/tuned/compile_plans/``
+(package data), where a start whose user cache has no plan for its key finds them. Record
+plans after building the tables and at the kernel sources that ship: a plan's entries name
+their kernel's source revision, and a start skips those whose source has changed.
 
 ``winners`` counts, per row-block size, how often each tile (or the unfused path) won in
 measured caches or tables: data for pruning ``skinny.CANDIDATES``.
@@ -200,11 +206,6 @@ def measure(models: Sequence[str], out: Path, base: Any, timeout: float,
                     row["cache"] = str(saved)
                 else:
                     row["error"] = "the start wrote no tuning cache (fused kernels off, or no GPU?)"
-                row["plans"] = []
-                for plan in sorted((Path(tmp) / "replaylm" / "compile_plans").glob("*.json")):
-                    (out / "compile_plans").mkdir(exist_ok=True)
-                    shutil.copyfile(plan, out / "compile_plans" / plan.name)
-                    row["plans"].append(str(out / "compile_plans" / plan.name))
         rows.append(row)
         if "error" in row:
             log(f"[tuning] {model}: failed: {row['error']}")
@@ -213,6 +214,37 @@ def measure(models: Sequence[str], out: Path, base: Any, timeout: float,
                 f"{row['decisions']}, {row['tuning']['candidates_timed']} candidates timed; "
                 f"ready in {row['ready_s']:.2f} s -> {row['cache']}")
     (out / "measure.json").write_text(json.dumps({"starts": rows}, indent=1))
+    return rows
+
+
+def record_plans(models: Sequence[str], out: Path, base: Any, timeout: float,
+                 log: Any = print) -> list[dict[str, Any]]:
+    """Start each model once from empty caches (shipped tables on); copy the compile plan it
+    recorded into ``out/compile_plans``; returns each start's row (``bench startup``'s
+    fields)."""
+    from replaylm.bench.startup import start_in_child
+
+    (out / "compile_plans").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in models:
+        with tempfile.TemporaryDirectory(prefix="replaylm-plans-") as tmp:
+            row = {"model": model, **start_in_child(base.replace(model=model), Path(tmp),
+                                                    timeout)}
+            plans = sorted((Path(tmp) / "replaylm" / "compile_plans").glob("*.json"))
+            if "error" not in row and not plans:
+                row["error"] = "the start recorded no compile plan (no GPU, or compile_ahead off?)"
+            row["plans"] = []
+            for plan in plans:
+                shutil.copyfile(plan, out / "compile_plans" / plan.name)
+                row["plans"].append(str(out / "compile_plans" / plan.name))
+        rows.append(row)
+        if "error" in row:
+            log(f"[plans] {model}: failed: {row['error']}")
+        else:
+            kernels = sum(len(json.loads(Path(p).read_text())["kernels"]) for p in row["plans"])
+            log(f"[plans] {model}: ready in {row['ready_s']:.2f} s, {kernels} kernels -> "
+                + ", ".join(row["plans"]))
+    (out / "plans.json").write_text(json.dumps({"starts": rows}, indent=1))
     return rows
 
 
@@ -243,21 +275,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the tables are (default: replaylm/kernels/tuned)")
     b.add_argument("--dry-run", action="store_true", help="report, write nothing")
     p = sub.add_parser("ship-plans", help="copy compile plans into the shipped ones")
-    p.add_argument("plans", nargs="+", type=Path, help="compile plans (measure's OUT/compile_plans)")
+    p.add_argument("plans", nargs="+", type=Path, help="compile plans (the plans command's OUT)")
     p.add_argument("--plan-dir", type=Path,
                    default=ROOT / "replaylm" / "kernels" / "tuned" / "compile_plans",
                    help="where the shipped plans are (default: replaylm/kernels/tuned/"
                    "compile_plans)")
     w = sub.add_parser("winners", help="how often each tile won in measured caches or tables")
     w.add_argument("caches", nargs="+", type=Path, help="tuning caches or shipped tables")
-    m = sub.add_parser("measure", help="time every shape of some models on this GPU")
-    m.add_argument("--models", default=DEFAULT_MODELS,
-                   help=f"comma-separated models (default: {DEFAULT_MODELS})")
-    m.add_argument("--out", type=Path, required=True, help="where the caches go")
-    m.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")
     from replaylm.config import EngineArgs
 
-    EngineArgs.add_cli_args(m, load_format="dummy", skip_tokenizer_init=True)
+    for name, text in (("measure", "time every shape of some models on this GPU"),
+                       ("plans", "record some models' compile plans on this GPU")):
+        m = sub.add_parser(name, help=text)
+        m.add_argument("--models", default=DEFAULT_MODELS,
+                       help=f"comma-separated models (default: {DEFAULT_MODELS})")
+        m.add_argument("--out", type=Path, required=True, help="where the files go")
+        m.add_argument("--timeout", type=float, default=900.0,
+                       help="seconds one start may take")
+        EngineArgs.add_cli_args(m, load_format="dummy", skip_tokenizer_init=True)
     ns = parser.parse_args(argv)
     if ns.command == "build":
         from replaylm.kernels.tuner import kernels_revision
@@ -287,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     if not models:
         print("error: --models names no model", file=sys.stderr)
         return 2
+    if ns.command == "plans":
+        rows = record_plans(models, ns.out, EngineArgs.from_cli_args(ns), ns.timeout)
+        print("next: PYTHONPATH=. python benchmarks/tuning_table.py ship-plans "
+              + " ".join(p for r in rows for p in r.get("plans", [])))
+        return 0 if all("error" not in r for r in rows) else 1
     rows = measure(models, ns.out, EngineArgs.from_cli_args(ns), ns.timeout)
     print("next: PYTHONPATH=. python benchmarks/tuning_table.py build "
           + " ".join(r["cache"] for r in rows if "cache" in r))

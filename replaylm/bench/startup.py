@@ -11,7 +11,8 @@ nothing compiled or loaded by an earlier start is still in memory:
 - ``warm``: the same directories again, as the cold start of that mode left them.
 
 Each start reports, from the engine's own timers: weights (loading, or making dummy weights),
-kernel tuning, KV sizing (the profiling forward and the pool), capture, and ``other`` (the
+compiling ahead (the kernels of a compile plan, ``kernels.compile_plan``), kernel tuning, KV
+sizing (the profiling forward and the pool), capture, and ``other`` (the
 rest of ``LLM(...)``: attention warm-up, sampler tables, scheduler); plus the interpreter
 start and imports before it, and the first request after it (1 request, 8 new tokens). Memory:
 weights, KV cache and graphs in MiB (on a GPU also the peak reserved).
@@ -50,7 +51,7 @@ from replaylm.bench.common import (
 from replaylm.config import EngineArgs
 
 STARTS = ("cold", "warm")
-PHASES = ("load_s", "tune_s", "kv_sizing_s", "capture_s", "other_s")
+PHASES = ("load_s", "compile_ahead_s", "tune_s", "kv_sizing_s", "capture_s", "other_s")
 #: Where a kernel decision came from (``kernels.tuner.SOURCES``; spelled out here so the
 #: bench reads it without importing Triton).
 DECISION_SOURCES = ("cache", "shipped", "tuned")
@@ -77,7 +78,9 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
     ready_s = time.perf_counter() - start
     runner = llm.engine.runner
     graphs = llm.graph_stats()
-    phases = {"load_s": runner.load_seconds, "tune_s": runner.tune_seconds,
+    plan = runner.compile_plan
+    phases = {"load_s": runner.load_seconds, "compile_ahead_s": plan.seconds if plan else 0.0,
+              "tune_s": runner.tune_seconds,
               "kv_sizing_s": runner.kv_sizing_seconds, "capture_s": graphs["capture_seconds"]}
     phases["other_s"] = max(0.0, ready_s - sum(phases.values()))
     jit = {"tune": runner.tune_jit, "capture": runner.capture_jit,
@@ -98,6 +101,9 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
         "graph_mib": graphs["graph_mib"],
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
         **decisions,
+        "compile_plan": None if plan is None else {
+            "kernels": plan.submitted, "skipped": plan.skipped, "refused": plan.failed,
+            "source": Path(plan.source).name if plan.source else None},
         "jit": {phase: _rounded(totals.as_dict()) for phase, totals in jit.items()},
     }
 
@@ -178,6 +184,11 @@ def format_sources(r: dict[str, Any]) -> str:
     d, t, jit = r["decisions"], r["tuning"], r["jit"]
     text = (f"kernel decisions: {d['cache']} from the user's cache, {d['shipped']} from the "
             f"shipped table, {d['tuned']} tuned now")
+    plan = r.get("compile_plan")
+    if plan:
+        text += (f"; compile plan {plan['source']}: {plan['kernels']} kernels compiled in "
+                 f"{r['compile_ahead_s']:.2f} s ({plan['skipped']} skipped, {plan['refused']} "
+                 "refused)")
     if t["candidates_timed"] or t["precompiled"]:
         text += (f" ({t['precompiled']} kernels compiled ahead in {t['precompile_s']:.2f} s, "
                  f"{t['candidates_timed']} candidates timed in {t['timing_s']:.2f} s)")
@@ -195,7 +206,7 @@ def _jit_s(totals: dict[str, Any]) -> float:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per start: ready seconds and its phases, imports, first request, MiB."""
-    head = (f"{'mode':<19} {'start':<5} {'ready s':>8} {'weights':>8} {'tuning':>7} "
+    head = (f"{'mode':<19} {'start':<5} {'ready s':>8} {'weights':>8} {'ahead':>7} {'tuning':>7} "
             f"{'KV size':>8} {'capture':>8} {'cap JIT':>7} {'other':>7} {'first req':>9} "
             f"{'w MiB':>8} {'KV MiB':>8} {'graph MiB':>9} {'cache/shipped/tuned':>19}")
     lines = [head, "-" * len(head)]
@@ -205,7 +216,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             continue
         d = r["decisions"]
         lines.append(f"{r['mode']:<19} {r['start']:<5} {r['ready_s']:>8.2f} "
-                     + " ".join(f"{r[k]:>{w}.2f}" for k, w in zip(PHASES[:4], (8, 7, 8, 8)))
+                     + " ".join(f"{r[k]:>{w}.2f}" for k, w in zip(PHASES[:5], (8, 7, 7, 8, 8)))
                      + f" {_jit_s(r['jit']['capture']):>7.2f} {r['other_s']:>7.2f}"
                      + f" {r['first_request_s']:>9.2f} {r['weights_mib']:>8.0f} "
                      f"{r['kv_mib']:>8.0f} {r['graph_mib']:>9.1f} "

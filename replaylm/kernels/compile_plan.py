@@ -10,9 +10,11 @@ launch computes, where the launch finds it.
 
 Recording: ``install`` sets Triton's ``jit_post_compile_hook``; every replaylm kernel this
 process compiles (or loads from Triton's disk cache) is noted with Triton's own serialized
-specialization (signature, constexprs, attributes, options), except inside ``paused()``
-(the tuner's candidate pass, which has its own pool and compiles candidates a later start
-may not need). ``save`` writes the notes to ``cache_dir()/compile_plans/<key>.json``.
+specialization (signature, constexprs, attributes, options). ``save`` writes the notes to
+``cache_dir()/compile_plans/<key>.json``. A plan is what one start compiled: after a start
+that tuned projection shapes it holds every candidate the tuner timed (what the next start
+with an empty tuning cache needs too); after one whose decisions came from a tuning table,
+only the chosen kernels.
 
 A plan is keyed (``plan_key``) by the GPU model, the torch and Triton versions, the model's
 shapes (not its name or path: a checkpoint and its named shape share plans) and the engine
@@ -24,7 +26,6 @@ launch compiles it again and fails as it would have without the plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -34,9 +35,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,6 @@ UNRELATED_ARGS = frozenset({
     "num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs", "max_stop_strings",
     "max_stop_string_length", "distributed_timeout_s", "graph_check"})
 
-_paused: ContextVar[bool] = ContextVar("compile_plan_paused", default=False)
 _lock = threading.Lock()
 _recorded: dict[str, dict[str, str]] = {}  # specialization data -> entry
 _installed = False
@@ -90,7 +88,7 @@ def _note(*, key: Any, repr: Any, fn: Any, compile: dict[str, Any], is_manual_wa
           already_compiled: bool) -> None:
     """Triton's post-compile hook: note a replaylm kernel's specialization."""
     module = str(getattr(fn.module, "__name__", fn.module))
-    if _paused.get() or not module.startswith("replaylm."):
+    if not module.startswith("replaylm."):
         return
     jit_fn = getattr(fn, "jit_function", None)
     data = compile.get("specialization_data")
@@ -122,16 +120,6 @@ def install() -> None:
 
     runtime.jit_post_compile_hook = hook
     _installed = True
-
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Compiles inside this context are not noted."""
-    token = _paused.set(True)
-    try:
-        yield
-    finally:
-        _paused.reset(token)
 
 
 def recorded() -> list[dict[str, str]]:

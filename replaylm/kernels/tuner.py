@@ -37,7 +37,7 @@ import torch
 import triton
 
 from replaylm.capture import graph_replay_us
-from replaylm.kernels import compile_plan, elementwise, skinny
+from replaylm.kernels import elementwise, skinny
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
@@ -263,8 +263,7 @@ def precompile(threads: int) -> Iterator[None]:
     when timed, and fails there as it would without this pass."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="replaylm-compile") as pool, \
-            triton.AsyncCompileMode(pool, ignore_errors=True), _passing("precompile"), \
-            compile_plan.paused():
+            triton.AsyncCompileMode(pool, ignore_errors=True), _passing("precompile"):
         yield
     STATS.precompile_s += time.perf_counter() - start
 

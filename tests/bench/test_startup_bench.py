@@ -41,7 +41,8 @@ def test_rejects_unknown_start_kind(capsys):
 def _gpu_row(decisions, tuning, capture_compiled):
     zero = {"compiled": 0, "compile_s": 0.0, "loaded": 0, "load_s": 0.0}
     capture = {"compiled": capture_compiled, "compile_s": 7.5, "loaded": 2, "load_s": 0.25}
-    return {"mode": "ragged", "start": "cold", "ready_s": 20.0, "load_s": 1.0, "tune_s": 2.0,
+    return {"mode": "ragged", "start": "cold", "ready_s": 20.0, "load_s": 1.0, "compile_ahead_s": 0.0,
+            "tune_s": 2.0,
             "kv_sizing_s": 1.0, "capture_s": 9.0, "other_s": 7.0, "first_request_s": 0.5,
             "weights_mib": 2000, "kv_mib": 1000, "graph_mib": 50.0, "num_graphs": 4,
             "import_s": 3.0, "decisions": decisions, "tuning": tuning,
@@ -63,7 +64,12 @@ def test_start_rows_say_where_decisions_came_from():
     tuned = _gpu_row({"cache": 0, "shipped": 0, "tuned": 36},
                      {"precompiled": 200, "precompile_s": 9.0, "candidates_timed": 200,
                       "timing_s": 2.0}, 40)
-    table = format_table([shipped, tuned]).splitlines()
+    planned = {**shipped, "compile_ahead_s": 4.25,
+               "compile_plan": {"kernels": 30, "skipped": 1, "refused": 0, "source": "h200.json"}}
+    assert ("; compile plan h200.json: 30 kernels compiled in 4.25 s (1 skipped, 0 refused)"
+            in format_sources(planned))
+    table = format_table([shipped, tuned, planned]).splitlines()
+    assert table[4].split()[4] == "4.25"  # the compile-ahead column, after weights
     assert "cap JIT" in table[0] and "cache/shipped/tuned" in table[0]
     assert table[2].split()[-1] == "0/36/0" and table[3].split()[-1] == "0/0/36"
     assert "7.75" in table[2].split()

@@ -39,6 +39,7 @@ S3 = "silu|1x1024x3072|torch.bfloat16|False"
 
 
 def write(path: Path, entries: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entries))
     return path
 
@@ -147,9 +148,7 @@ def test_measure_starts_each_model_without_the_table_and_keeps_its_cache(tmp_pat
     def fake_start(args, cache, timeout):
         seen.append((args.model, args.shipped_tuning_table, args.load_format, list(cache.iterdir())))
         if args.model != "llama3-8b":
-            (cache / "replaylm" / "compile_plans").mkdir(parents=True)
             write(cache / "replaylm" / "linear_tuning.json", {key(H200, S1): [None, 1.0, 1.0]})
-            write(cache / "replaylm" / "compile_plans" / "nvidia-h200-1.json", {"kernels": []})
         return {"ready_s": 9.0, "tune_s": 5.0, "decisions": {"cache": 0, "shipped": 0,
                                                              "tuned": 1},
                 "tuning": {"candidates_timed": 10}}
@@ -162,9 +161,38 @@ def test_measure_starts_each_model_without_the_table_and_keeps_its_cache(tmp_pat
     assert json.loads((out / "qwen3-0.6b.linear_tuning.json").read_text()) == {
         key(H200, S1): [None, 1.0, 1.0]}
     assert "error" not in rows[0] and "no tuning cache" in rows[1]["error"]
-    assert rows[0]["plans"] == [str(out / "compile_plans" / "nvidia-h200-1.json")]
-    assert rows[1]["plans"] == []
     assert json.loads((out / "measure.json").read_text())["starts"] == rows
+
+
+def test_plans_starts_each_model_with_the_table_and_keeps_its_plan(tmp_path, monkeypatch,
+                                                                   capsys):
+    """``plans``: one start per model from empty caches with the shipped tables on, as a
+    user's first start; the plan it recorded lands in OUT/compile_plans/, a start without
+    one failed."""
+    from replaylm.bench import startup
+
+    seen = []
+
+    def fake_start(args, cache, timeout):
+        seen.append((args.model, args.shipped_tuning_table, args.load_format,
+                     list(cache.iterdir())))
+        if args.model != "llama3-8b":
+            plan = {"kernels": [{"fn": "replaylm.kernels.argmax:_argmax_kernel",
+                                 "fn_key": "k", "data": "{}"}]}
+            write(cache / "replaylm" / "compile_plans" / f"{args.model}-plan.json", plan)
+        return {"ready_s": 9.0}
+
+    monkeypatch.setattr(startup, "start_in_child", fake_start)
+    out = tmp_path / "out"
+    code = tuning_table.main(["plans", "--models", "qwen3-0.6b,llama3-8b", "--out", str(out)])
+    assert code == 1  # llama3-8b recorded nothing
+    assert seen == [("qwen3-0.6b", True, "dummy", []), ("llama3-8b", True, "dummy", [])]
+    rows = json.loads((out / "plans.json").read_text())["starts"]
+    assert rows[0]["plans"] == [str(out / "compile_plans" / "qwen3-0.6b-plan.json")]
+    assert "no compile plan" in rows[1]["error"] and rows[1]["plans"] == []
+    text = capsys.readouterr().out
+    assert "[plans] qwen3-0.6b: ready in 9.00 s, 1 kernels" in text
+    assert f"ship-plans {out / 'compile_plans' / 'qwen3-0.6b-plan.json'}" in text
 
 
 def test_ship_plans_copies_compile_plans_and_refuses_other_files(tmp_path):
