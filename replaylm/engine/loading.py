@@ -9,28 +9,35 @@ from typing import Any
 from replaylm.config import EngineArgs
 from replaylm.model.config import ModelConfig
 from replaylm.model.loader import default_model_weights
-from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
+from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_fields, plain_config, resolve_model
 
 
 def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
-    """Read a directory's config.json, or a named shape's built-in config."""
+    """Read a directory's config.json, or a named shape's built-in config (``shapes.
+    plain_config`` where it names every field, else through transformers' config class)."""
     model_dir, shape = resolve_model(model)
     if shape is not None:
-        return ModelConfig.from_hf(hf_config_from_dict(shape), model), None
+        return ModelConfig.from_hf(hf_fields(shape), model), None
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
-    from transformers import AutoConfig
+    import json
 
     try:
-        hf = AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # transformers raises several types for bad configs
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:
         raise ValueError(f"unreadable config.json in {path}: {e}") from e
+    hf = plain_config(raw) if isinstance(raw, dict) else None
+    if hf is None:
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(str(path))
+        except Exception as e:  # transformers raises several types for bad configs
+            raise ValueError(f"unreadable config.json in {path}: {e}") from e
     cfg = ModelConfig.from_hf(hf, model)
     gen = path / "generation_config.json"
     if gen.is_file():
-        import json
-
         try:
             eos = json.loads(gen.read_text()).get("eos_token_id")
         except ValueError as e:

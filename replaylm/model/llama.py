@@ -145,7 +145,10 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.dp = dp
         vocab_rows = cfg.vocab_size if tp is None else tp.vocab_rows(cfg.vocab_size)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # Given its weight, the embedding skips its random init: on the meta device that init
+        # runs through torch's Python reference ops and imports torch._dynamo (seconds).
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size,
+                                         _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(

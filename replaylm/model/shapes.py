@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_MODEL_DIR: str = str(Path(__file__).resolve().parent.parent / "assets" / "default")
 
@@ -167,13 +169,31 @@ def resolve_model(name_or_dir: str) -> tuple[str | None, dict[str, Any] | None]:
     )
 
 
-def hf_config_from_dict(d: dict[str, Any]) -> PretrainedConfig:
-    """Build the transformers config class for ``d["model_type"]`` from a config dict.
+#: The fields ``ModelConfig.from_hf`` needs from every config, and from some architectures'
+#: configs: those whose transformers class default differs from the one ``from_hf`` assumes
+#: for an absent field, or that it reads without one. ``save_pretrained`` writes them all.
+PLAIN_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id")
+PLAIN_FIELDS_BY_ARCH = {
+    "Qwen3ForCausalLM": ("head_dim",),
+    "Qwen3MoeForCausalLM": ("head_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                            "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"),
+    "Qwen2MoeForCausalLM": ("num_experts", "num_experts_per_tok", "norm_topk_prob",
+                            "moe_intermediate_size", "shared_expert_intermediate_size",
+                            "decoder_sparse_step", "mlp_only_layers", "qkv_bias"),
+}
+#: Fields a transformers config class stores under another name (its ``attribute_map``).
+PLAIN_ALIASES = {"Qwen3MoeForCausalLM": {"num_experts": "num_local_experts"}}
+
+
+def _fold_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without ``model_type``, its RoPE settings in ``rope_parameters``.
 
     transformers 5 keeps RoPE settings in ``rope_parameters`` (``rope_theta`` included);
     the legacy ``rope_scaling`` key is folded into it here so the result does not depend
-    on how a given transformers version converts old-style configs.
-    """
+    on how a given transformers version converts old-style configs."""
     rest = {k: v for k, v in d.items() if k != "model_type"}
     scaling = rest.pop("rope_scaling", None)
     if "rope_parameters" not in rest:
@@ -188,4 +208,40 @@ def hf_config_from_dict(d: dict[str, Any]) -> PretrainedConfig:
     dtype = rest.pop("torch_dtype", None)
     if dtype is not None:
         rest.setdefault("dtype", dtype)
-    return AutoConfig.for_model(d["model_type"], **rest)
+    return rest
+
+
+def hf_config_from_dict(d: dict[str, Any]) -> PretrainedConfig:
+    """Build the transformers config class for ``d["model_type"]`` from a config dict (RoPE
+    settings folded into ``rope_parameters`` first)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(d["model_type"], **_fold_rope(d))
+
+
+def plain_config(d: dict[str, Any]) -> SimpleNamespace | None:
+    """A config dict's fields as attributes (RoPE folded as ``hf_config_from_dict`` folds
+    it), for ``ModelConfig.from_hf``, when the dict names every field that needs
+    (``PLAIN_FIELDS``, ``PLAIN_FIELDS_BY_ARCH``); None when it leaves one to its
+    transformers class's defaults.
+
+    Reading the fields directly spares a start the import of transformers' model classes:
+    building one of its config classes imports its modeling and generation modules and with
+    them ``torch._dynamo`` (seconds of a start, more without bytecode caches)."""
+    archs = d.get("architectures") or ()
+    d = dict(d)
+    for arch in archs:
+        for name, stored in PLAIN_ALIASES.get(arch, {}).items():
+            if name not in d and stored in d:
+                d[name] = d[stored]
+    needed = PLAIN_FIELDS + tuple(f for a in archs for f in PLAIN_FIELDS_BY_ARCH.get(a, ()))
+    if any(f not in d for f in needed):
+        return None
+    return SimpleNamespace(model_type=d.get("model_type"), **_fold_rope(d))
+
+
+def hf_fields(d: dict[str, Any]) -> Any:
+    """What ``ModelConfig.from_hf`` reads a config dict through: ``plain_config`` where the
+    dict is complete, else its transformers class."""
+    plain = plain_config(d)
+    return plain if plain is not None else hf_config_from_dict(d)
