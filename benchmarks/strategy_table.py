@@ -14,8 +14,8 @@ It runs, each in a fresh process (``--in-process``: in this one), and writes int
 - ``peer.json``: the default mode against Hugging Face transformers (``--peer hf``);
 - ``serve.json``: ``bench serve`` in process, Poisson arrivals at each of ``--rates``, every
   mode (the table shows ``--table-rate``);
-- ``startup.json``: ``bench startup``, cold and warm, every mode (``--tiny``: the graphed
-  default only, as each start is a new process);
+- ``startup.json``: ``bench startup``, cold and warm, every mode (``--tiny``: a cold start
+  of the graphed default only, as each start is a new process);
 
 and PNGs next to each JSON. Then it replaces what lies between the ``strategy-table`` markers
 of ``--docs`` (appending the section when the markers are absent) with tables, the pictures
@@ -58,7 +58,7 @@ def commands(model: str, modes: list[str], out: Path, tiny: bool, rates: str,
         decode = ["--new-tokens", "4", "--prompt-len", "6", "--batched-prompt-len", "6",
                   "--repeats", "1"]
         serve = ["--input-len", "8", "--output-len", "4", "--len-dist", "exponential"]
-        startup = ["--cpu-kv-cache-gib", "0.05"]
+        startup = ["--cpu-kv-cache-gib", "0.05", "--starts", "cold"]
     batches = f"1,{batch}"
     return {
         "decode": ["bench", "decode", *engine, *decode, "--batch-sizes", batches, "--modes",
@@ -174,10 +174,11 @@ def serve_table(serve: dict[str, Any], rate: str) -> tuple[list[str], dict[str, 
 def startup_table(startup: dict[str, Any]) -> list[str]:
     rows = [r for r in startup["starts"] if "error" not in r]
     lines = [[f"`{r['mode']}`", r["start"], _num(r["ready_s"], ".2f"), _num(r["load_s"], ".2f"),
-              _num(r["tune_s"], ".2f"), _num(r["kv_sizing_s"], ".2f"), _num(r["capture_s"], ".2f"),
+              _num(r.get("compile_ahead_s", 0.0), ".2f"), _num(r["tune_s"], ".2f"),
+              _num(r["kv_sizing_s"], ".2f"), _num(r["capture_s"], ".2f"),
               _num(r["other_s"], ".2f"), _num(r["graph_mib"])] for r in rows]
-    return _table(["mode", "start", "ready s", "weights s", "tuning s", "KV sizing s",
-                   "capture s", "other s", "graph MiB"], lines)
+    return _table(["mode", "start", "ready s", "weights s", "compiling ahead s", "tuning s",
+                   "KV sizing s", "capture s", "other s", "graph MiB"], lines)
 
 
 def peer_table(peer: dict[str, Any]) -> list[str]:

@@ -63,18 +63,43 @@ def _replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
     return dataclasses.replace(cfg, **kw)
 
 
+#: ``tokenizer_class`` values of tokenizer_config.json for which ``AutoTokenizer`` builds
+#: transformers' generic fast tokenizer (Llama 3's among them).
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any:
+    """The tokenizer of ``args.tokenizer`` or the model directory (None for a named shape or
+    with ``skip_tokenizer_init``). A directory whose tokenizer_config.json names the generic
+    fast tokenizer gets that class directly: what ``AutoTokenizer`` builds for it, without
+    importing ``AutoTokenizer``, whose module imports transformers' modeling and generation
+    code (and ``torch._dynamo``: seconds of every start)."""
     if args.skip_tokenizer_init:
         return None
     where = args.tokenizer or (str(model_dir) if model_dir is not None else None)
     if where is None:
         return None  # a named shape ships no tokenizer: token-id prompts only
-    from transformers import AutoTokenizer
-
     try:
+        if _tokenizer_class(where) in GENERIC_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(where)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(where)
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {where}: {e}") from e
+
+
+def _tokenizer_class(where: str) -> str | None:
+    """The ``tokenizer_class`` a local tokenizer_config.json names, or None."""
+    import json
+
+    try:
+        config = json.loads((Path(where) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 #: Texts longer than this many characters per ``max_model_len`` token are counted first.

@@ -60,7 +60,7 @@ def test_tiny_run_regenerates_the_section(tmp_path):
     assert re.search(r"\| `ragged` \| [\d,.]+ \| [\d.]+ \| [\d,.]+ \| [\d.]+ \| [\d.]+% \| 2 \|",
                      text)
     assert "Serving, Poisson arrivals at 20 req/s" in text
-    assert "| `ragged` | cold |" in text and "| `ragged` | warm |" in text
+    assert re.search(r"\| `ragged` \| cold \| [\d.]+ \| [\d.]+ \| 0\.00 \| ", text)  # no plan on CPU
     assert "| HF `generate` | 1 |" in text
     assert "Decode, batch 1: `" in text
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)

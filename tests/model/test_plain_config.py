@@ -5,6 +5,7 @@ goes through the class."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,15 +89,49 @@ def test_the_field_tables_name_supported_architectures_and_transformers_aliases(
         assert PLAIN_ALIASES.get(arch, {}) == dict(cls.attribute_map), arch
 
 
-def test_a_start_imports_neither_transformers_nor_dynamo():
-    """Building an engine on a named shape (no tokenizer) imports no transformers model
-    class and not ``torch._dynamo``: each would add seconds to every start."""
+def test_a_start_imports_neither_transformers_model_classes_nor_dynamo():
+    """An engine on a named shape (no tokenizer) imports no transformers at all, and one with
+    the built-in model's tokenizer no transformers model class; neither imports
+    ``torch._dynamo``: each would add seconds to every start."""
     code = ("import sys\nfrom replaylm import LLM\n"
-            "LLM('default', load_format='dummy', skip_tokenizer_init=True, max_num_seqs=2, "
-            "num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=16)\n"
-            "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))")
+            "kw = dict(load_format='dummy', max_num_seqs=2, num_kv_blocks=16, max_model_len=64, "
+            "max_num_batched_tokens=16)\n"
+            "LLM('default', skip_tokenizer_init=True, **kw)\n"
+            "print(sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules))\n"
+            "LLM('default', **kw)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'transformers.models.auto.modeling_auto', "
+            "'transformers.generation.utils') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**__import__("os").environ,
-                                                       "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert done.stdout.strip().splitlines()[-2:] == ["[]", "[]"]
+
+
+def test_a_generic_fast_tokenizer_is_what_auto_tokenizer_builds(tmp_path):
+    """The built-in model's tokenizer_config.json names the generic fast tokenizer: loading
+    that class directly gives AutoTokenizer's tokenizer; another class goes through
+    AutoTokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from replaylm.config import EngineArgs
+    from replaylm.engine.loading import GENERIC_TOKENIZER_CLASSES, load_tokenizer
+
+    path = Path(DEFAULT_MODEL_DIR)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] in GENERIC_TOKENIZER_CLASSES
+    direct = load_tokenizer(EngineArgs(model="default"), path)
+    auto = AutoTokenizer.from_pretrained(str(path))
+    assert type(direct) is type(auto)
+    for text in ("Hello world", " leading space", "two\nlines  and  gaps", "中文 ü"):
+        assert direct.encode(text) == auto.encode(text)
+        assert direct.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    assert direct.all_special_ids == auto.all_special_ids
+    assert direct.chat_template == auto.chat_template
+    other = tmp_path / "tok"
+    shutil.copytree(path, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    (other / "tokenizer_config.json").write_text(
+        json.dumps(config | {"tokenizer_class": "LlamaTokenizerFast"}))
+    loaded = load_tokenizer(EngineArgs(model=str(other)), other)
+    assert type(loaded) is type(AutoTokenizer.from_pretrained(str(other)))
