@@ -262,7 +262,8 @@ class ModelRunner:
 
     def _plan_key(self) -> str:
         return compile_plan.plan_key(torch.cuda.get_device_name(self.device),
-                                     dataclasses.asdict(self.cfg), dataclasses.asdict(self.args))
+                                     dataclasses.asdict(self.cfg), dataclasses.asdict(self.args),
+                                     self.graph_mode)
 
     def _compile_ahead(self) -> compile_plan.PreloadStats | None:
         """On CUDA with ``EngineArgs.compile_ahead``: compile, on a thread pool, the kernel

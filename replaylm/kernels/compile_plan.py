@@ -70,14 +70,16 @@ class PreloadStats:
     source: str | None = None  # the plan file read
 
 
-def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any]) -> str:
+def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any], graph_mode: str) -> str:
     """The file name (without ``.json``) of the plan for this GPU, model shapes and engine
-    settings under this process's torch and Triton."""
+    settings under this process's torch and Triton; the graph mode is the one that runs
+    (``graph_mode``), so the default mode and the same mode named share plans."""
     import torch
     import triton
 
     shapes = {k: v for k, v in model.items() if k != "name"}
     settings = {k: v for k, v in args.items() if k not in UNRELATED_ARGS}
+    settings |= {"cuda_graph_mode": graph_mode, "enforce_eager": graph_mode == "eager"}
     text = json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                        "model": shapes, "args": settings}, sort_keys=True, default=repr)
     slug = "".join(c if c.isalnum() else "-" for c in gpu.lower()).strip("-") or "gpu"

@@ -221,7 +221,7 @@ def hf_config_from_dict(d: dict[str, Any]) -> PretrainedConfig:
 
 def plain_config(d: dict[str, Any]) -> SimpleNamespace | None:
     """A config dict's fields as attributes (RoPE folded as ``hf_config_from_dict`` folds
-    it), for ``ModelConfig.from_hf``, when the dict names every field that needs
+    it), for ``ModelConfig.from_hf``, when the dict names every field ``from_hf`` needs
     (``PLAIN_FIELDS``, ``PLAIN_FIELDS_BY_ARCH``); None when it leaves one to its
     transformers class's defaults.
 

@@ -23,13 +23,19 @@ def fresh(monkeypatch, tmp_path):
 
 
 def test_the_key_names_shapes_and_settings_not_the_checkpoint():
-    key = cp.plan_key("NVIDIA H200", MODEL, ARGS)
+    key = cp.plan_key("NVIDIA H200", MODEL, ARGS, "ragged")
     assert key.startswith("nvidia-h200-")
     assert cp.plan_key("NVIDIA H200", MODEL | {"name": "/ckpt/Llama-3.2-1B"},
-                       ARGS | {"model": "/ckpt/Llama-3.2-1B", "seed": 7}) == key
-    assert cp.plan_key("NVIDIA H100", MODEL, ARGS) != key
-    assert cp.plan_key("NVIDIA H200", MODEL | {"hidden_size": 4096}, ARGS) != key
-    assert cp.plan_key("NVIDIA H200", MODEL, ARGS | {"max_num_seqs": 64}) != key
+                       ARGS | {"model": "/ckpt/Llama-3.2-1B", "seed": 7}, "ragged") == key
+    assert cp.plan_key("NVIDIA H100", MODEL, ARGS, "ragged") != key
+    assert cp.plan_key("NVIDIA H200", MODEL | {"hidden_size": 4096}, ARGS, "ragged") != key
+    assert cp.plan_key("NVIDIA H200", MODEL, ARGS | {"max_num_seqs": 64}, "ragged") != key
+    # The mode that runs, however it was asked for.
+    default = ARGS | {"cuda_graph_mode": None}
+    assert cp.plan_key("NVIDIA H200", MODEL, default, "ragged") == key
+    assert cp.plan_key("NVIDIA H200", MODEL, default, "full") != key
+    assert (cp.plan_key("NVIDIA H200", MODEL, default | {"enforce_eager": True}, "eager")
+            == cp.plan_key("NVIDIA H200", MODEL, ARGS | {"cuda_graph_mode": "eager"}, "eager"))
 
 
 def _info(module, name, cache_key="src-1"):
@@ -120,3 +126,40 @@ def test_the_settings_left_out_of_the_key_are_engine_settings():
     from replaylm.config import EngineArgs
 
     assert cp.UNRELATED_ARGS <= {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_every_shipped_plan_is_a_named_shape_at_default_settings():
+    """Each shipped plan's name is the key a default start of a named shape computes on the
+    GPU and versions of the shipped tuning tables. A change to the key, or to an engine
+    default that is part of it, orphans the shipped plans (first starts then compile one
+    kernel at a time): record and ship them again (``benchmarks/tuning_table.py plans``)."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from replaylm.config import EngineArgs
+    from replaylm.engine.loading import load_model_config
+    from replaylm.graphs.policy import DEFAULT_GPU_MODE
+    from replaylm.kernels.tuning_cache import SHIPPED_DIR as TABLES
+    from replaylm.model.shapes import NAMED_SHAPES
+
+    triton = pytest.importorskip("triton")
+
+    plans = sorted(p.stem for p in cp.SHIPPED_DIR.glob("*.json"))
+    assert plans, "no shipped plan"
+    keys = set()
+    for table in TABLES.glob("*.json"):
+        for entry in json.loads(table.read_text()):
+            gpu, torch_v, triton_v = entry.split("|")[:3]
+            keys.add((gpu, torch_v.removeprefix("torch "), triton_v.removeprefix("triton ")))
+    expected = {}
+    for gpu, torch_v, triton_v in keys:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "__version__", torch_v)
+            mp.setattr(triton, "__version__", triton_v)
+            for name in NAMED_SHAPES:
+                cfg = dataclasses.asdict(load_model_config(name)[0])
+                args = dataclasses.asdict(EngineArgs(model=name))
+                expected[cp.plan_key(gpu, cfg, args, DEFAULT_GPU_MODE)] = name
+    assert all(p in expected for p in plans), {p: expected.get(p) for p in plans}
