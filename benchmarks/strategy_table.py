@@ -80,8 +80,9 @@ def commands(model: str, modes: list[str], out: Path, tiny: bool, rates: str,
 
 
 def run(cmds: dict[str, list[str]], out: Path, in_process: bool) -> None:
-    """Run every command; stop at the first that fails. Each part's commit and date go into
-    ``out/meta.json``, so a later ``--skip-run`` still names the code that was measured."""
+    """Run every command; stop at the first that fails. Each part's commit, date and command
+    go into ``out/meta.json``, so a later ``--skip-run`` still names the code and the command
+    that were measured."""
     meta_path = out / "meta.json"
     measured = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     for name, argv in cmds.items():
@@ -98,7 +99,8 @@ def run(cmds: dict[str, list[str]], out: Path, in_process: bool) -> None:
         if rc != 0:
             raise SystemExit(f"[strategy] {name} failed with exit code {rc}")
         print(f"[strategy] {name} took {time.perf_counter() - start:.1f} s", flush=True)
-        measured[name] = {"commit": _commit(), "date": datetime.date.today().isoformat()}
+        measured[name] = {"commit": _commit(), "date": datetime.date.today().isoformat(),
+                          "argv": argv}
         meta_path.write_text(json.dumps(measured, indent=1))
 
 
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": model, "date": max(r["date"] for r in runs),
             "commit": ", ".join(dict.fromkeys(r["commit"] for r in runs)),
             "tiny": "yes" if ns.tiny else "",
-            "commands": [cmds[name] for name in PARTS if name in results]}
+            "commands": [measured.get(name, {}).get("argv", cmds[name])
+                         for name in PARTS if name in results]}
     label = rate_label(float(ns.table_rate or rates.split(",")[0]))
     section = render(results, out, docs, meta, label)
     docs.write_text(replace_section(docs.read_text() if docs.exists() else "", section))

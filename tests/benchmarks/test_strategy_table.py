@@ -67,9 +67,10 @@ def test_tiny_run_regenerates_the_section(tmp_path):
     assert "../results/profile/timeline_b1.png" in images and len(images) == 8
     for image in images:
         assert_png(doc.parent / image)
-    # Rendering again from the same JSON gives the same section.
+    # Rendering again from the same JSON gives the same section, with the commands that
+    # were run even when this call's arguments would make others.
     assert st.main(["--tiny", "--modes", "eager,ragged", "--out", str(out), "--docs", str(doc),
-                    "--skip-run"]) == 0
+                    "--skip-run", "--rates", "20,40,inf", "--num-requests", "9"]) == 0
     assert doc.read_text() == text
 
 
