@@ -167,9 +167,8 @@ def serving_throughput(runs: Sequence[dict[str, Any]], path: str | Path, title: 
 
 
 STARTUP_PHASES = (("load_s", "weights", "#9467bd"), ("compile_ahead_s", "compile ahead", "#7f7f7f"),
-                  ("tune_s", "kernel tuning", "#8c564b"),
-                  ("kv_sizing_s", "KV sizing", "#e377c2"), ("capture_s", "capture", "#17becf"),
-                  ("other_s", "other", "#bcbd22"))
+                  ("tune_s", "kernel tuning", "#8c564b"), ("kv_sizing_s", "KV sizing", "#e377c2"),
+                  ("capture_s", "capture", "#17becf"), ("other_s", "other", "#bcbd22"))
 STARTUP_MEMORY = (("weights_mib", "weights", "#9467bd"), ("kv_mib", "KV cache", "#7f7f7f"),
                   ("graph_mib", "graphs", "#17becf"))
 

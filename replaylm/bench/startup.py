@@ -12,10 +12,10 @@ nothing compiled or loaded by an earlier start is still in memory:
 
 Each start reports, from the engine's own timers: weights (loading, or making dummy weights),
 compiling ahead (the kernels of a compile plan, ``kernels.compile_plan``), kernel tuning, KV
-sizing (the profiling forward and the pool), capture, and ``other`` (the
-rest of ``LLM(...)``: attention warm-up, sampler tables, scheduler); plus the interpreter
-start and imports before it, and the first request after it (1 request, 8 new tokens). Memory:
-weights, KV cache and graphs in MiB (on a GPU also the peak reserved).
+sizing (the profiling forward and the pool), capture, and ``other`` (the rest of
+``LLM(...)``: attention warm-up, sampler tables, scheduler); plus the interpreter start and
+imports before it, and the first request after it (1 request, 8 new tokens). Memory: weights,
+KV cache and graphs in MiB (on a GPU also the peak reserved).
 
 Where the start's kernel decisions came from (``decisions``: the user's cache, the shipped
 table, or timed now; ``tuning``: kernels compiled ahead, candidates timed and their
