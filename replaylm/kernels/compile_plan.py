@@ -17,9 +17,10 @@ with an empty tuning cache needs too); after one whose decisions came from a tun
 only the chosen kernels.
 
 A plan is keyed (``plan_key``) by the GPU model, the torch and Triton versions, the model's
-shapes (not its name or path: a checkpoint and its named shape share plans) and the engine
-settings that reach the kernels; ``replaylm/kernels/tuned/compile_plans/`` ships plans made
-on lab GPUs, read when the user has none. An entry whose kernel source has changed since
+shapes (not its name, path or special tokens: a checkpoint, its instruct variant and its
+named shape share plans) and the engine settings that reach the kernels;
+``replaylm/kernels/tuned/compile_plans/`` ships plans made on lab GPUs, read when the user
+has none. An entry whose kernel source has changed since
 (``JITFunction.cache_key``) is skipped, and one that fails to compile is dropped: the
 launch compiles it again and fails as it would have without the plan.
 """
@@ -53,6 +54,10 @@ UNRELATED_ARGS = frozenset({
     "num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs", "max_stop_strings",
     "max_stop_string_length", "distributed_timeout_s", "graph_check"})
 
+#: Model config fields no kernel sees: a checkpoint, its instruct variant and its named shape
+#: share plans.
+UNRELATED_MODEL_FIELDS = frozenset({"name", "bos_token_id", "eos_token_ids"})
+
 _lock = threading.Lock()
 _recorded: dict[str, dict[str, str]] = {}  # specialization data -> entry
 _installed = False
@@ -77,7 +82,7 @@ def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any], graph_mode: 
     import torch
     import triton
 
-    shapes = {k: v for k, v in model.items() if k != "name"}
+    shapes = {k: v for k, v in model.items() if k not in UNRELATED_MODEL_FIELDS}
     settings = {k: v for k, v in args.items() if k not in UNRELATED_ARGS}
     settings |= {"cuda_graph_mode": graph_mode, "enforce_eager": graph_mode == "eager"}
     text = json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,

@@ -11,7 +11,8 @@ import pytest
 
 from replaylm.kernels import compile_plan as cp
 
-MODEL = {"name": "llama3.2-1b", "hidden_size": 2048, "num_layers": 16}
+MODEL = {"name": "llama3.2-1b", "hidden_size": 2048, "num_layers": 16, "bos_token_id": 128000,
+         "eos_token_ids": (128001,)}
 ARGS = {"model": "llama3.2-1b", "seed": 0, "max_num_seqs": 256, "cuda_graph_mode": "ragged"}
 
 
@@ -25,8 +26,9 @@ def fresh(monkeypatch, tmp_path):
 def test_the_key_names_shapes_and_settings_not_the_checkpoint():
     key = cp.plan_key("NVIDIA H200", MODEL, ARGS, "ragged")
     assert key.startswith("nvidia-h200-")
-    assert cp.plan_key("NVIDIA H200", MODEL | {"name": "/ckpt/Llama-3.2-1B"},
-                       ARGS | {"model": "/ckpt/Llama-3.2-1B", "seed": 7}, "ragged") == key
+    instruct = {"name": "/ckpt/Llama-3.2-1B-Instruct", "eos_token_ids": (128001, 128009)}
+    assert cp.plan_key("NVIDIA H200", MODEL | instruct,
+                       ARGS | {"model": "/ckpt/Llama-3.2-1B-Instruct", "seed": 7}, "ragged") == key
     assert cp.plan_key("NVIDIA H100", MODEL, ARGS, "ragged") != key
     assert cp.plan_key("NVIDIA H200", MODEL | {"hidden_size": 4096}, ARGS, "ragged") != key
     assert cp.plan_key("NVIDIA H200", MODEL, ARGS | {"max_num_seqs": 64}, "ragged") != key
@@ -163,3 +165,26 @@ def test_every_shipped_plan_is_a_named_shape_at_default_settings():
                 args = dataclasses.asdict(EngineArgs(model=name))
                 expected[cp.plan_key(gpu, cfg, args, DEFAULT_GPU_MODE)] = name
     assert all(p in expected for p in plans), {p: expected.get(p) for p in plans}
+
+
+def test_a_checkpoint_of_a_named_shape_shares_its_plans(tmp_path):
+    """A local Llama-3.2-1B-Instruct directory (its own end-of-turn tokens) keys as the
+    ``llama3.2-1b`` named shape, so the plan shipped for that shape serves it."""
+    import dataclasses
+    import json
+
+    from replaylm.config import EngineArgs
+    from replaylm.engine.loading import load_model_config
+    from replaylm.model.shapes import NAMED_SHAPES
+
+    pytest.importorskip("triton")
+    config = NAMED_SHAPES["llama3.2-1b"] | {"eos_token_id": [128001, 128008, 128009]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 128009}))
+
+    def key(model: str) -> str:
+        cfg = dataclasses.asdict(load_model_config(model)[0])
+        return cp.plan_key("NVIDIA H200", cfg, dataclasses.asdict(EngineArgs(model=model)),
+                           "ragged")
+
+    assert key(str(tmp_path)) == key("llama3.2-1b")
