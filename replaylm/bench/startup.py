@@ -102,7 +102,7 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
         **decisions,
         "compile_plan": None if plan is None else {
-            "kernels": plan.submitted, "skipped": plan.skipped, "refused": plan.failed,
+            "kernels": plan.submitted, "skipped": plan.skipped, "refused": plan.refused,
             "source": Path(plan.source).name if plan.source else None},
         "jit": {phase: _rounded(totals.as_dict()) for phase, totals in jit.items()},
     }

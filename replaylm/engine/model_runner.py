@@ -285,7 +285,7 @@ class ModelRunner:
         stats.source = str(source)
         log.info("compile plan %s: %d kernels compiled ahead on %d threads in %.2f s "
                  "(%d skipped, %d refused)", source, stats.submitted, threads, stats.seconds,
-                 stats.skipped, stats.failed)
+                 stats.skipped, stats.refused)
         return stats
 
     def _save_compile_plan(self) -> None:

@@ -2,7 +2,7 @@
 cold Triton cache compiles them all at once, on a thread pool, before the model needs them.
 
 Without a plan a start compiles its kernels one at a time, as the model first launches each
-(about 0.8 s each on the H200, 36 of them for ``llama3.2-1b``). With one, ``preload``
+(most of a first start's time: docs/benchmarks.md, "Capture and cold start"). With one, ``preload``
 submits every variant to ``triton.AsyncCompileMode`` on a thread pool (ptxas runs as a
 subprocess and Triton's native passes release the GIL, so compiles overlap), and each
 compiled kernel lands in its ``JITFunction``'s in-memory cache under the key the model's
@@ -66,11 +66,11 @@ _installed = False
 @dataclasses.dataclass
 class PreloadStats:
     """What ``preload`` did: variants submitted, skipped (kernel source changed or gone),
-    failed (refused before compiling), and the seconds until every compile had finished."""
+    refused (``preload`` raised before compiling), and the seconds until every compile had finished."""
 
     submitted: int = 0
     skipped: int = 0
-    failed: int = 0
+    refused: int = 0
     seconds: float = 0.0
     source: str | None = None  # the plan file read
 
@@ -199,7 +199,7 @@ def preload(entries: list[dict[str, str]], threads: int) -> PreloadStats:
                 fn.preload(entry["data"])
             except Exception as e:  # noqa: BLE001 - the launch compiles it as it would have
                 log.debug("compile plan: %s not preloaded: %s", entry.get("fn"), e)
-                stats.failed += 1
+                stats.refused += 1
                 continue
             stats.submitted += 1
     stats.seconds = time.perf_counter() - start

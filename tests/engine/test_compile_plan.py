@@ -119,7 +119,7 @@ def test_preload_skips_changed_sources_and_survives_refusals(monkeypatch):
                ("m:same", "m:changed", "m:refuses", "m:gone")]
     stats = cp.preload(entries, threads=2)
     assert preloaded == ["m:same"]
-    assert (stats.submitted, stats.skipped, stats.failed) == (1, 2, 1)
+    assert (stats.submitted, stats.skipped, stats.refused) == (1, 2, 1)
 
 
 def test_the_settings_left_out_of_the_key_are_engine_settings():
