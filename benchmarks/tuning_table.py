@@ -233,16 +233,16 @@ def record_plans(models: Sequence[str], out: Path, base: Any, timeout: float,
             plans = sorted((Path(tmp) / "replaylm" / "compile_plans").glob("*.json"))
             if "error" not in row and not plans:
                 row["error"] = "the start recorded no compile plan (no GPU, or compile_ahead off?)"
-            row["plans"] = []
+            row["plans"], row["kernels"] = [], 0
             for plan in plans:
                 shutil.copyfile(plan, out / "compile_plans" / plan.name)
                 row["plans"].append(str(out / "compile_plans" / plan.name))
+                row["kernels"] += len(json.loads(plan.read_text())["kernels"])
         rows.append(row)
         if "error" in row:
             log(f"[plans] {model}: failed: {row['error']}")
         else:
-            kernels = sum(len(json.loads(Path(p).read_text())["kernels"]) for p in row["plans"])
-            log(f"[plans] {model}: ready in {row['ready_s']:.2f} s, {kernels} kernels -> "
+            log(f"[plans] {model}: ready in {row['ready_s']:.2f} s, {row['kernels']} kernels -> "
                 + ", ".join(row["plans"]))
     (out / "plans.json").write_text(json.dumps({"starts": rows}, indent=1))
     return rows

@@ -3,6 +3,7 @@ shape's), the tokenizer, and prompt tokenization that refuses a text far too lon
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,6 @@ def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
-    import json
-
     try:
         raw = json.loads((path / "config.json").read_text())
     except ValueError as e:
@@ -93,8 +92,6 @@ def load_tokenizer(args: EngineArgs, model_dir: Path | None) -> Any:
 
 def _tokenizer_class(where: str) -> str | None:
     """The ``tokenizer_class`` a local tokenizer_config.json names, or None."""
-    import json
-
     try:
         config = json.loads((Path(where) / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

@@ -34,6 +34,8 @@ def pytest_collection_modifyitems(config, items):
         kind = params.get("tiny_checkpoint", params.get("graph_checkpoint"))
         if kind is None:
             continue
-        modes, mode = SMOKE_KINDS.get(kind, ()), params.get("mode")
-        if kind not in SMOKE_KINDS or (None not in (modes, mode) and mode not in modes):
+        mode = params.get("mode")
+        modes = SMOKE_KINDS.get(kind, ())
+        smoke = kind in SMOKE_KINDS and (modes is None or mode is None or mode in modes)
+        if not smoke:
             item.own_markers = [m for m in item.own_markers if m.name != "smoke"]
