@@ -1,6 +1,6 @@
 """The adaptive draft budget against fixed K, simulated on step costs measured on the H200.
 
-``replaylm.spec.adaptive.AdaptiveBudget`` is driven exactly as ``EngineCore.step`` drives it
+``replaylm.speculative.adaptive.AdaptiveBudget`` is driven exactly as ``EngineCore.step`` drives it
 (proposals trimmed by ``choose``, step costs fed to ``observe_step``, verify outcomes to
 ``observe_verify``, coasting with shadow proposals judged by the drafter), but steps cost
 what a cost model says instead of running a model, and each draft is accepted with
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replaylm.graphs.tiers import default_token_tiers, round_up, verify_token_tiers
-from replaylm.spec.adaptive import AdaptiveBudget
+from replaylm.speculative.adaptive import AdaptiveBudget
 
 #: The token tiers a speculative ``ragged`` engine captures at the default 512 graph tokens
 #: (``GraphPolicy.resolve(..., speculative=True)``).

@@ -1,8 +1,8 @@
 """replaylm: a CUDA-graph-centred LLM inference engine for Llama/Qwen-family models."""
 
 from replaylm.config import EngineArgs
-from replaylm.engine.llm import LLM
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
+from replaylm.entrypoints import LLM
 from replaylm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -71,7 +71,7 @@ class HostBatch:
     sample_out_pos: np.ndarray  # [L] int64
     # Verify steps only (some request verifies drafts, so it samples k + 1 rows): per sampled
     # row, the draft its sample must equal for the request to go on (-1 on a request's last
-    # row), and the request's first sampled row (``spec.acceptance.emitted_rows``).
+    # row), and the request's first sampled row (``speculative.acceptance.emitted_rows``).
     draft_next: np.ndarray | None = None  # [L] int64
     seg_start: np.ndarray | None = None  # [L] int64
     # Padding rows inside requests' segments (the ``padded`` verify layout), counted in

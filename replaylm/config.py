@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from replaylm.graphs.policy import GRAPH_MODES
-from replaylm.spec.config import SpecConfig
+from replaylm.speculative.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

@@ -1,8 +1,7 @@
-"""Step observers: what ``EngineCore.step`` calls when ``core.step_observer`` is set.
+"""Step observers (``engine.observer.StepObserver``) that benchmarks set on an engine.
 
-``StepObserver`` does nothing at each hook; subclasses keep what they need. ``StepClock``
-notes when every ``step()`` returns, which gives the step intervals a request sees between
-its tokens. The full per-step profiler is ``replaylm.bench.profile.StepProfiler``.
+``StepClock`` notes when every ``step()`` returns, which gives the step intervals a request
+sees between its tokens. The full per-step profiler is ``replaylm.bench.profile.StepProfiler``.
 """
 
 from __future__ import annotations
@@ -12,24 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from replaylm.engine.observer import NO_OBSERVER, StepObserver
 
-class StepObserver:
-    """The hooks ``EngineCore.step`` calls: begin, launching, launched, waited, end."""
-
-    def begin(self) -> None:
-        pass
-
-    def launching(self) -> None:
-        pass
-
-    def launched(self, mode: str, tier: int | None, tokens: int) -> None:
-        pass
-
-    def waited(self, seconds: float) -> None:
-        pass
-
-    def end(self, launched: bool) -> None:
-        pass
+__all__ = ["StepClock", "StepObserver", "observing"]
 
 
 class StepClock(StepObserver):
@@ -56,4 +40,4 @@ def observing(core: Any, observer: StepObserver | None) -> Iterator[None]:
     try:
         yield
     finally:
-        core.step_observer = None
+        core.step_observer = NO_OBSERVER

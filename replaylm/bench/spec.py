@@ -57,8 +57,8 @@ from replaylm.bench.decode import random_prompts
 from replaylm.bench.observer import StepObserver, observing
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
-from replaylm.spec.drafter import DraftRequest
-from replaylm.spec.stats import SpecStats
+from replaylm.speculative.drafter import DraftRequest
+from replaylm.speculative.stats import SpecStats
 
 PARTS = ("verify", "acceptance", "ngram", "draft")
 LAYOUTS = ("ragged", "padded", "eager")
@@ -164,7 +164,7 @@ class ControlledDrafter:
 
     def shadow_accepted(self, req: Any, drafts: list[int], actual: list[int]) -> int:
         """How many of a shadow proposal's drafts the verify would have accepted (the
-        adaptive budget's coasting, ``spec.adaptive``): the leading ones left right."""
+        adaptive budget's coasting, ``speculative.adaptive``): the leading ones left right."""
         right = self.right[id(req)][:len(drafts)]
         return right.index(False) if False in right else len(right)
 

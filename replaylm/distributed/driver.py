@@ -1,4 +1,4 @@
-"""``DataParallelEngine``: the driver of ``data_parallel_size × tensor_parallel_size``
+"""``MultiProcessEngine``: the driver of ``data_parallel_size × tensor_parallel_size``
 worker processes.
 
 It offers what ``LLM`` uses of ``EngineCore`` (tokenize, validate, add_request, abort, step,
@@ -9,7 +9,7 @@ requests); every step the driver sends each leader one ``("step",)`` and gathers
 replies, so all ranks step together and meet in the tier agreement.
 
 A worker (leader or follower) that exits, faults or does not answer within
-``distributed_timeout_s`` makes the driver end every worker and raise ``DataParallelError``
+``distributed_timeout_s`` makes the driver end every worker and raise ``WorkerError``
 naming the rank.
 """
 
@@ -34,11 +34,12 @@ from replaylm.distributed.worker import worker_main
 from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, load_tokenizer
 from replaylm.engine.model_runner import resolve_device
+from replaylm.engine.observer import NO_OBSERVER, StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
-from replaylm.spec.stats import SpecStats
+from replaylm.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ class AddedRequest:
     rank: int
 
 
-class DataParallelError(RuntimeError):
+class WorkerError(RuntimeError):
     """A worker (data- or tensor-parallel) died, failed or stopped answering."""
 
 
-class DataParallelEngine:
+class MultiProcessEngine:
     # Prompt handling needs only the model's config, the tokenizer and the settings, which
     # the driver loads itself: the same methods as a single engine's.
     tokenize = EngineCore.tokenize
@@ -82,7 +83,7 @@ class DataParallelEngine:
         self.device, self.dtype = info["device"], info["dtype"]
         self.graph_mode = info["graph_mode"]
         self.tune_seconds = info["tune_seconds"]  # rank 0's kernel tuning at start-up
-        self.step_observer = None
+        self.step_observer: StepObserver = NO_OBSERVER
         # The ranks' latest statistics, as their step replies bring them (``live_stats``).
         self._snapshots = [infos[g]["stats"] for g in self.leaders]
         self.rejected = 0  # requests the driver refused before any rank saw them
@@ -165,8 +166,7 @@ class DataParallelEngine:
         A ``step_observer`` (``bench.observer``) sees its begin and end only: the launch and
         the wait happen in the workers."""
         obs = self.step_observer
-        if obs is not None:
-            obs.begin()
+        obs.begin()
         replies = self._gather(self.leaders, "step")
         deltas: list[RequestDelta] = []
         fresh = False
@@ -183,8 +183,7 @@ class DataParallelEngine:
             deltas += rank_deltas
         if fresh:
             self._refresh_live()
-        if obs is not None:
-            obs.end(bool(deltas))
+        obs.end(bool(deltas))
         return deltas
 
     # Statistics ----------------------------------------------------------------------------
@@ -264,7 +263,7 @@ class DataParallelEngine:
 
     def _send(self, rank: int, msg: tuple) -> None:
         if self._closed:
-            raise DataParallelError("the data-parallel engine is shut down")
+            raise WorkerError("the multi-process engine is shut down")
         try:
             self.conns[rank].send(msg)
         except OSError as e:
@@ -321,10 +320,10 @@ class DataParallelEngine:
         ranks = rank if isinstance(rank, list) else [rank]
         if self.tp == 1:
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-            raise DataParallelError(f"data-parallel {who} {what}")
+            raise WorkerError(f"data-parallel {who} {what}")
         where = ", ".join(f"{g} (data-parallel rank {g // self.tp}, tensor-parallel rank "
                           f"{g % self.tp})" for g in ranks)
-        raise DataParallelError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
+        raise WorkerError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
 
 
 def _sum(values: list):

@@ -4,7 +4,7 @@ When torchrun (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`
 ``MASTER_ADDR`` and ``MASTER_PORT``) starts ``replaylm serve``, ``replaylm generate`` or a
 script that builds ``LLM(...)``, every process reaches ``make_engine`` and becomes one rank:
 
-- global rank 0 returns a ``TorchrunEngine``: the driver (``DataParallelEngine``: placement,
+- global rank 0 returns a ``TorchrunEngine``: the driver (``MultiProcessEngine``: placement,
   lockstep steps, statistics) with data-parallel rank 0's leader engine in the same process;
   it alone goes on to serve users;
 - every other rank runs the worker loop of ``worker`` (a leader's engine or a follower's
@@ -41,7 +41,7 @@ from replaylm.distributed.channel import (
     PeerTimeout,
     RankChannel,
 )
-from replaylm.distributed.driver import DataParallelEngine, DataParallelError
+from replaylm.distributed.driver import MultiProcessEngine, WorkerError
 from replaylm.distributed.worker import (
     _follow,
     _handle,
@@ -60,7 +60,7 @@ from replaylm.model.parallel import check_tensor_parallel
 PROBE_S = 0.2
 
 
-def start_rank(args: EngineArgs, launch: LaunchedRank) -> EngineCore | DataParallelEngine:
+def start_rank(args: EngineArgs, launch: LaunchedRank) -> EngineCore | MultiProcessEngine:
     """``make_engine`` under torchrun: rank 0's engine; other ranks serve as workers until
     rank 0 shuts down, then end the process."""
     check_launch(args, launch)
@@ -141,7 +141,7 @@ def serve_rank(args: EngineArgs, launch: LaunchedRank) -> int:
             dist.destroy_process_group()
 
 
-class TorchrunEngine(DataParallelEngine):
+class TorchrunEngine(MultiProcessEngine):
     """Rank 0 of a torchrun job: the driver, with data-parallel rank 0's leader engine in
     this process (``core``) and the other leaders reached over ``RankChannel``s."""
 
@@ -185,7 +185,7 @@ class TorchrunEngine(DataParallelEngine):
 
     def _local(self, op: str, args: tuple) -> tuple[str, object]:
         if self._closed:
-            raise DataParallelError("the data-parallel engine is shut down")
+            raise WorkerError("the multi-process engine is shut down")
         try:
             return _handle(self.core, op, list(args))
         except PeerLost as e:  # sending the step to one of this rank's followers
@@ -203,7 +203,7 @@ class TorchrunEngine(DataParallelEngine):
 
     def _send(self, rank: int, msg: tuple) -> None:
         if self._closed:
-            raise DataParallelError("the data-parallel engine is shut down")
+            raise WorkerError("the multi-process engine is shut down")
         try:
             self.chans[rank].send(msg)
         except PeerLost as e:

@@ -26,10 +26,10 @@ from replaylm.model.config import ModelConfig
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.sampling.step import PendingStep
 from replaylm.sampling_params import SamplingParams
-from replaylm.spec.adaptive import AdaptiveBudget, eager_tiers
-from replaylm.spec.config import SpecConfig
-from replaylm.spec.drafter import make_drafter
-from replaylm.spec.stats import SpecStats
+from replaylm.speculative.adaptive import AdaptiveBudget, eager_tiers
+from replaylm.speculative.config import SpecConfig
+from replaylm.speculative.drafter import make_drafter
+from replaylm.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,13 @@ class EngineCore:
         weights_dir = resolve_weights_dir(model_dir, cfg, args.load_format)
         self.max_model_len = self._resolve_max_model_len(args, cfg)
         self.tokenizer = load_tokenizer(args, model_dir)
-        # A draft model (``spec.draft_model``) loads first: the target's KV sizing reserves
+        # A draft model (``engine.draft_model``) loads first: the target's KV sizing reserves
         # its memory and pairs a draft block with each target block.
         spec = SpecConfig.from_dict(args.speculative_config) \
             if args.speculative_config is not None else None
         draft_runner = None
         if spec is not None and spec.method == "draft_model":
-            from replaylm.spec.draft_model import load_draft_runner
+            from replaylm.engine.draft_model import load_draft_runner
 
             draft_runner = load_draft_runner(args, spec, cfg, self.tokenizer, self.max_model_len)
         self.runner = ModelRunner(args, cfg, weights_dir, self.max_model_len, tp,
@@ -88,7 +88,7 @@ class EngineCore:
                            if spec else None)
         self.drafter: Any = make_drafter(spec) if spec and draft_runner is None else None
         if draft_runner is not None:
-            from replaylm.spec.draft_model import DraftModelDrafter
+            from replaylm.engine.draft_model import DraftModelDrafter
 
             self.drafter = DraftModelDrafter(draft_runner, spec, self.runner.num_blocks,
                                              self.max_model_len, self.runner.sampler.state,
@@ -241,6 +241,14 @@ class EngineCore:
             stats["all_reduce"] = self.runner.all_reduce_report
         return stats
 
+    @property
+    def live_stats(self) -> EngineStats:
+        """The counters as another thread may read them (the same object as ``stats``)."""
+        return self.stats
+
+    def shutdown(self) -> None:
+        """Nothing to end: this engine holds no process (``Engine`` protocol)."""
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._inflight is not None
 
@@ -349,7 +357,7 @@ class EngineCore:
         return deltas
 
     def use_drafter(self, drafter: Any) -> None:
-        """Propose drafts with ``drafter`` (``spec.drafter.Drafter``) from the next step on,
+        """Propose drafts with ``drafter`` (``speculative.drafter.Drafter``) from the next step on,
         in place of the one ``speculative_config`` named; the rest of the configuration
         (``num_speculative_tokens``, budget, verify layout) stays. A drafter with an
         ``acceptance`` method decides its verify rows' tokens with it
@@ -403,7 +411,7 @@ class EngineCore:
         return [r for r in self.scheduler.running if r.num_output_tokens]
 
     def _shadow_round(self) -> None:
-        """Coasting (``spec.adaptive``): shadow proposals that learn acceptance unverified."""
+        """Coasting (``speculative.adaptive``): shadow proposals that learn acceptance unverified."""
         def candidates() -> tuple[list[Request], list[int]]:
             reqs = self._generating()
             return reqs, self._draft_room(reqs)

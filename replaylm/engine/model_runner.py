@@ -36,8 +36,8 @@ from replaylm.model.parallel import (
 )
 from replaylm.sampling.sampler import sample
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
-from replaylm.spec.acceptance import emitted_rows
-from replaylm.spec.config import SpecConfig
+from replaylm.speculative.acceptance import emitted_rows
+from replaylm.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class ModelRunner:
     """Owns one model, its KV pool, its graphs and the per-slot sampling state; runs steps.
 
     ``kv_partner``: a second pool sized with this one (a draft model's,
-    ``spec.draft_model``): its ``partner_block_bytes`` are added to each of this pool's
+    ``engine.draft_model``): its ``partner_block_bytes`` are added to each of this pool's
     blocks and its ``partner_fixed_bytes`` reserved, before the KV pool is sized.
     ``verify_accept``: set by the engine when a drafter's proposals carry a distribution;
     it turns a verify step into that drafter's acceptance rule (``StepSampler.run``). Under

@@ -244,7 +244,7 @@ class Scheduler:
         row = 0
         for s in out.scheduled:
             # Consume rows in order even when skipping. A verify's rows past the emitted ones
-            # hold -1 (``spec.acceptance``): its rejected drafts' K/V are rolled back below.
+            # hold -1 (``speculative.acceptance``): its rejected drafts' K/V are rolled back below.
             emitted: list[int] = []
             if s.sample:
                 k = len(s.drafts)

@@ -145,7 +145,7 @@ class StepSampler:
         draft tokens each verify row's penalties count as earlier outputs. ``accept``, when
         given, maps (processed logits, sampled tokens) to the tokens the step keeps: a
         drafter whose proposals carry a distribution replaces its draft rows' samples by its
-        rejection sampling (``spec.draft_model``), and a benchmark drafter imposes which
+        rejection sampling (``engine.draft_model``), and a benchmark drafter imposes which
         drafts are accepted (``bench.spec.ControlledDrafter``).
         """
         num_sampled = len(slots_cpu)

@@ -25,9 +25,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from replaylm.distributed.driver import DataParallelEngine
-from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.protocol import Engine
 from replaylm.server.connections import TIMED_OUT
 from replaylm.server.engine_loop import EngineLoop, NotAccepting
 from replaylm.server.generation import Generation, GenerationStream
@@ -66,7 +65,7 @@ def logprobs_supported() -> bool:
     return engine_supports("logprobs") and "logprobs" in delta_fields
 
 
-def build_app(core: EngineCore | DataParallelEngine, max_queue: int = 1024,
+def build_app(core: Engine, max_queue: int = 1024,
               served_model_name: str | None = None,
               max_request_bytes: int = 8 * 2**20) -> FastAPI:
     """An app serving ``core`` (one engine, or the driver of data- and tensor-parallel
@@ -75,7 +74,7 @@ def build_app(core: EngineCore | DataParallelEngine, max_queue: int = 1024,
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
     # Read at scrape time on the event loop's thread: a driver's live view, never its pipes.
-    stats = core.live_stats if isinstance(core, DataParallelEngine) else core.stats
+    stats = core.live_stats
     metrics = ServerMetrics(lambda: stats, lambda: engine.in_flight)
     engine = EngineLoop(core, max_queue=max_queue, metrics=metrics)
     workers = PromptWorkers(core)

@@ -1,6 +1,7 @@
-"""One background thread owns ``EngineCore`` and drives ``step()``; the event loop talks to it.
+"""One background thread owns the engine (``engine.protocol.Engine``) and drives ``step()``;
+the event loop talks to it.
 
-``EngineCore`` is not thread-safe, so nothing outside this thread touches it: adds, aborts and
+An engine is not thread-safe, so nothing outside this thread touches it: adds, aborts and
 any other engine call are queued as commands and run here between steps (FIFO, so an abort
 queued after an add always finds its request). Deltas go back to each request's
 ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. With nothing to run, the thread sleeps
@@ -23,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.protocol import Engine
 from replaylm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,13 @@ class _Stream:
 
 
 class EngineLoop:
-    """Drives one ``EngineCore`` from a daemon thread; admission control for the server.
+    """Drives one engine from a daemon thread; admission control for the server.
 
     ``admit``/``release`` count in-flight engine requests on the event-loop side; above
     ``max_queue`` the server answers 503 instead of queueing without bound.
     """
 
-    def __init__(self, core: EngineCore, max_queue: int = 1024,
+    def __init__(self, core: Engine, max_queue: int = 1024,
                  metrics: LoopMetrics | None = None) -> None:
         self.core = core
         self.max_queue = max_queue
@@ -118,7 +119,7 @@ class EngineLoop:
         """
         loop = asyncio.get_running_loop()
 
-        def add(core: EngineCore) -> int:
+        def add(core: Engine) -> int:
             if self._cancelled is not None:
                 raise NotAccepting(self._cancelled)
             req = core.add_request(request_id, prompt, params)
@@ -128,7 +129,7 @@ class EngineLoop:
 
         return await self.call(add)
 
-    async def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(core)`` on the engine thread between steps and return its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
 

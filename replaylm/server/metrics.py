@@ -93,7 +93,7 @@ def _graph_metrics(g: Any) -> Iterator[Metric]:
 
 
 def _spec_metrics(sp: Any) -> Iterator[Metric]:
-    """Speculative decoding's counters (``spec.stats.SpecStats``); none when it is off."""
+    """Speculative decoding's counters (``speculative.stats.SpecStats``); none when it is off."""
     if sp is None:
         return
     d = sp.as_dict()

@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from replaylm.engine.core import EngineCore, validate_features
+from replaylm.engine.core import validate_features
+from replaylm.engine.protocol import Engine
 from replaylm.engine.stop_strings import stop_automaton
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.protocol import APIError
@@ -29,7 +30,7 @@ T = TypeVar("T")
 class PromptWorkers:
     """``workers`` threads that turn prompts and conversations into token ids."""
 
-    def __init__(self, core: EngineCore, workers: int = 2) -> None:
+    def __init__(self, core: Engine, workers: int = 2) -> None:
         self.core = core
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="replaylm-prompts")
         self._local = threading.local()

@@ -53,8 +53,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"replaylm serve needs the server extra ({e.name} is missing): "
               "pip install 'replaylm[server]'", file=sys.stderr)
         return 1
-    from replaylm.distributed.driver import DataParallelEngine
-    from replaylm.engine.llm import make_engine
+    from replaylm.entrypoints import make_engine
 
     for flag, value in (("--max-queue", ns.max_queue), ("--max-request-bytes",
                                                          ns.max_request_bytes)):
@@ -70,8 +69,7 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     try:
         return _serve(ns, core)
     finally:
-        if isinstance(core, DataParallelEngine):
-            core.shutdown()  # the worker processes end with the server
+        core.shutdown()  # worker processes, if any, end with the server
 
 
 def _serve(ns: argparse.Namespace, core: Any) -> int:

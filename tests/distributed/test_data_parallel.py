@@ -14,7 +14,7 @@ import pytest
 
 from replaylm import LLM, SamplingParams
 from replaylm.config import EngineArgs
-from replaylm.distributed.driver import DataParallelError
+from replaylm.distributed.driver import WorkerError
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -69,11 +69,11 @@ def test_eager_dp2_matches_dp1_and_a_killed_worker_is_named_within_the_timeout(c
         # A worker killed mid-run: the driver names it within the timeout, ends the other.
         os.kill(procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(DataParallelError, match="rank 1 exited"):
+        with pytest.raises(WorkerError, match="rank 1 exited"):
             _tokens(llm, PROMPTS)
         assert time.monotonic() - start < llm.engine.timeout_s
         assert not any(p.is_alive() for p in procs)
-        with pytest.raises(DataParallelError, match="shut down"):
+        with pytest.raises(WorkerError, match="shut down"):
             _tokens(llm, PROMPTS)
     assert not set(procs) & set(multiprocessing.active_children())
 
@@ -94,7 +94,7 @@ def test_ragged_dp2_matches_dp1_and_an_idle_rank_replays_the_agreed_tier(ckpt):
         llm.engine.timeout_s = 2.0
         os.kill(llm.engine.procs[1].pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(DataParallelError, match=r"ranks? \[?(0, )?1\]? did not answer"):
+        with pytest.raises(WorkerError, match=r"ranks? \[?(0, )?1\]? did not answer"):
             _tokens(llm, PROMPTS[:2])
         assert time.monotonic() - start < 2.0 + 5.0
     finally:

@@ -16,7 +16,7 @@ import torch
 
 from replaylm import LLM, SamplingParams
 from replaylm.config import EngineArgs
-from replaylm.distributed.driver import DataParallelError
+from replaylm.distributed.driver import WorkerError
 from replaylm.engine.loading import load_model_config
 from replaylm.model.loader import (
     build_empty,
@@ -224,7 +224,7 @@ def test_eager_tp2_matches_tp1_and_a_killed_worker_is_named_within_the_timeout(l
         # The follower killed between steps: named (not its leader, whose pipe breaks).
         os.kill(procs[1].pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(DataParallelError, match=r"rank 1 \(data-parallel rank 0, "
+        with pytest.raises(WorkerError, match=r"rank 1 \(data-parallel rank 0, "
                                                     r"tensor-parallel rank 1\) exited"):
             _tokens(llm)
         assert time.monotonic() - start < 10.0  # at once, not at the timeout

@@ -28,7 +28,7 @@ MODES = {"eager": dict(enforce_eager=True),
 SCRIPT = """
 import json, os, signal, sys, time
 from replaylm import LLM, SamplingParams
-from replaylm.distributed.driver import DataParallelError
+from replaylm.distributed.driver import WorkerError
 
 if __name__ == "__main__":
     ckpt, out, kw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -40,7 +40,7 @@ if __name__ == "__main__":
         start = time.monotonic()
         try:
             llm.generate(prompts, params, use_tqdm=False)
-        except DataParallelError as e:
+        except WorkerError as e:
             json.dump({"error": str(e), "seconds": time.monotonic() - start}, open(out, "w"))
             sys.exit(3)
         sys.exit(0)

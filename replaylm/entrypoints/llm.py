@@ -9,11 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from replaylm.config import EngineArgs
-from replaylm.distributed.driver import DataParallelEngine
-from replaylm.engine.core import EngineCore
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
+from replaylm.engine.protocol import Engine
 from replaylm.engine.stats import EngineStats
-from replaylm.env import launched_rank
+from replaylm.entrypoints.factory import make_engine
 from replaylm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -29,7 +28,7 @@ class LLM:
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.engine = make_engine(self.engine_args)
+        self.engine: Engine = make_engine(self.engine_args)
         self._ids = itertools.count()
 
     @classmethod
@@ -42,8 +41,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """End the worker processes, if any (a single engine holds no process)."""
-        if isinstance(self.engine, DataParallelEngine):
-            self.engine.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -171,24 +169,6 @@ class LLM:
         finally:
             bar.close()
         return [outputs[rid] for rid in order]
-
-
-def make_engine(args: EngineArgs) -> EngineCore | DataParallelEngine:
-    """The engine ``args`` ask for: one ``EngineCore`` in this process, or the driver of
-    worker processes for data or tensor parallelism (``LLM`` and ``replaylm serve`` both use
-    it).
-
-    In a process torchrun started (``env.launched_rank``), rank 0 gets the driver of the
-    job's ranks and every other rank serves as a worker and exits when rank 0 shuts down
-    (``distributed.torchrun``): only rank 0 returns."""
-    launch = launched_rank()
-    if launch is not None:
-        from replaylm.distributed.torchrun import start_rank
-
-        return start_rank(args, launch)
-    if args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
-        return DataParallelEngine(args)
-    return EngineCore(args)
 
 
 def _is_conversation(x: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from replaylm.spec.config import SpecConfig
+from replaylm.speculative.config import SpecConfig
 
 
 class DraftRequest(Protocol):
@@ -24,7 +24,7 @@ class Drafter(Protocol):
 
 def make_drafter(cfg: SpecConfig) -> Drafter:
     if cfg.method == "ngram":
-        from replaylm.spec.ngram import NgramDrafter
+        from replaylm.speculative.ngram import NgramDrafter
 
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     raise ValueError(f"no drafter for method {cfg.method!r}")

@@ -52,8 +52,8 @@ from replaylm.engine.request import Request
 from replaylm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from replaylm.model.config import ModelConfig
 from replaylm.sampling.sampler import SamplingState, draw, sampling_probs
-from replaylm.spec.acceptance import rejection_sample
-from replaylm.spec.config import FIELD, SpecConfig
+from replaylm.speculative.acceptance import rejection_sample
+from replaylm.speculative.config import FIELD, SpecConfig
 
 _DRAFT_SALT = 0x2545F491  # separates the draft's sampling stream from the target's
 
@@ -155,7 +155,7 @@ class DraftModelRunner(ModelRunner):
 
 def load_draft_runner(args: EngineArgs, spec: SpecConfig, target: ModelConfig,
                       target_tokenizer: Any, max_model_len: int) -> DraftModelRunner:
-    """Load ``spec.model`` after checking it can draft for ``target`` (start-up errors name
+    """Load ``speculative.model`` after checking it can draft for ``target`` (start-up errors name
     ``speculative_config['model']``)."""
     from replaylm.engine.loading import load_model_config, resolve_weights_dir
 

@@ -8,7 +8,7 @@ import pytest
 
 from replaylm import SamplingParams
 from replaylm.bench.spec import ControlledDrafter
-from tests.spec.test_spec_engine import NGRAM, _engine, _traffic
+from tests.speculative.test_spec_engine import NGRAM, _engine, _traffic
 
 PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.6),
              dict(frequency_penalty=0.5),

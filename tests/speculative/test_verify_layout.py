@@ -7,7 +7,7 @@ import pytest
 
 from replaylm import SamplingParams
 from replaylm.config import EngineArgs
-from tests.spec.test_spec_engine import NGRAM, _engine, _traffic
+from tests.speculative.test_spec_engine import NGRAM, _engine, _traffic
 
 
 @pytest.fixture(scope="module")

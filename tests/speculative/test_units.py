@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from replaylm.config import EngineArgs
-from replaylm.spec.acceptance import emitted_rows
-from replaylm.spec.config import SpecConfig
-from replaylm.spec.ngram import NgramDrafter
+from replaylm.speculative.acceptance import emitted_rows
+from replaylm.speculative.config import SpecConfig
+from replaylm.speculative.ngram import NgramDrafter
 
 
 @pytest.mark.parametrize("cfg, needle", [

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from replaylm.graphs.tiers import round_up
-from replaylm.spec.budget import choose_budget
+from replaylm.speculative.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
 DECAY = 0.95  # weight left to earlier evidence per draft tried

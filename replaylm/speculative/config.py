@@ -28,14 +28,14 @@ class SpecConfig:
     verifies per step. ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes the
     ``ngram`` drafter matches. ``budget``: ``fixed`` drafts up to ``num_speculative_tokens``
     whenever the drafter has them; ``adaptive`` chooses per step from measured step costs
-    and acceptance estimates (``spec.adaptive``). ``verify``: how a step with drafts runs:
+    and acceptance estimates (``speculative.adaptive``). ``verify``: how a step with drafts runs:
     ``ragged`` front-packs every request's real tokens and dispatches the total like any
     step (a token tier's graph); ``padded`` lays every decoding request out as
     ``num_speculative_tokens + 1`` query tokens (the uniform layout, keyed by request count
     × (k + 1)), its padding rows writing the scratch block and sampling nothing; ``eager``
     runs verify steps without graphs. The three emit the same tokens.
 
-    ``draft_model`` only (``spec.draft_model``): ``model``, the draft model (a checkpoint
+    ``draft_model`` only (``engine.draft_model``): ``model``, the draft model (a checkpoint
     directory or a named shape) sharing the target's vocabulary; ``draft_confidence``, the
     top-token probability below which a request stops drafting (None: always draft up to
     ``num_speculative_tokens``); ``num_draft_kv_blocks``, the draft KV pool's blocks (None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replaylm.spec.budget import choose_budget, step_cost
+from replaylm.speculative.budget import choose_budget, step_cost
 
 
 def _rate(costs, base, alphas, ks):
@@ -75,8 +75,8 @@ class _Req:
 
 
 def test_adaptive_budget_learns_costs_and_acceptance():
-    from replaylm.spec import adaptive
-    from replaylm.spec.adaptive import PRIOR, AdaptiveBudget, eager_tiers
+    from replaylm.speculative import adaptive
+    from replaylm.speculative.adaptive import PRIOR, AdaptiveBudget, eager_tiers
 
     assert eager_tiers(40) == [1, 2, 4, 8, 16, 32, 40]
     b = AdaptiveBudget([4, 8, 16], 4)
@@ -123,7 +123,7 @@ def test_adaptive_budget_learns_costs_and_acceptance():
 def test_plain_cost_decides_and_zero_choice_coasts():
     """Verifying pays against a plain step that costs the verify's tier, not against one
     that overlaps the host's work and costs half; choosing nothing starts coasting."""
-    from replaylm.spec.adaptive import AdaptiveBudget
+    from replaylm.speculative.adaptive import AdaptiveBudget
 
     b = AdaptiveBudget([1, 2, 4, 8], 2)
     b.observe_step(4, 2.0, verified=True)
@@ -145,7 +145,7 @@ def test_a_request_near_its_end_does_not_start_coasting():
     """One draft may not pay where four do: a request with room for one draft before its
     max_tokens runs its step plain, but the engine keeps verifying; a drafter that proposes
     one draft with room for four does start coasting."""
-    from replaylm.spec.adaptive import AdaptiveBudget
+    from replaylm.speculative.adaptive import AdaptiveBudget
 
     b = AdaptiveBudget([1, 2, 4, 8], 4)
     b.observe_step(1, 1.0, verified=False)
@@ -161,8 +161,8 @@ def test_a_request_near_its_end_does_not_start_coasting():
 
 
 def test_coasting_learns_from_shadow_proposals_and_ends():
-    from replaylm.spec import adaptive
-    from replaylm.spec.adaptive import AdaptiveBudget
+    from replaylm.speculative import adaptive
+    from replaylm.speculative.adaptive import AdaptiveBudget
 
     class Drafter:
         def __init__(self):
@@ -217,8 +217,8 @@ def test_false_starts_hold_coasting_longer():
     """Shadow evidence ended a stretch but the measured verify costs sent the chooser back
     at once: the next stretch must last SHORT_RUN, then twice that, before evidence counts;
     a run of verifies that pays clears the hold."""
-    from replaylm.spec import adaptive
-    from replaylm.spec.adaptive import AdaptiveBudget
+    from replaylm.speculative import adaptive
+    from replaylm.speculative.adaptive import AdaptiveBudget
 
     b = AdaptiveBudget([1, 2, 4, 8], 4)
     b.observe_step(1, 1.0, verified=False)
@@ -276,7 +276,7 @@ def test_acceptance_estimate_tracks_the_per_draft_probability(p):
     the mean of each verify's accepted share, which sits well below it (0.8 gives ~0.6)."""
     import random
 
-    from replaylm.spec.adaptive import AdaptiveBudget
+    from replaylm.speculative.adaptive import AdaptiveBudget
 
     rng = random.Random(int(p * 100))
     b = AdaptiveBudget([16], 8)

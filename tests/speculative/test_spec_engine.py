@@ -194,7 +194,7 @@ def test_adaptive_coasting_overlaps_plain_steps(qwen3_dir, mode, monkeypatch):
     """Coasting runs plain steps with overlap (a step left in flight), learns acceptance from
     shadow proposals, goes back to verifying where n-gram drafts match, and never changes
     the output."""
-    from replaylm.spec import adaptive
+    from replaylm.speculative import adaptive
 
     monkeypatch.setattr(adaptive, "SHADOW_EVERY", 1)
     expected = _traffic(_engine(qwen3_dir, "eager"), seed=2, n_reqs=8)

@@ -6,7 +6,7 @@ import torch
 
 from replaylm.sampling.sampler import SamplingState, sample, seed_key, vocab_hash
 from replaylm.sampling_params import SamplingParams
-from replaylm.spec.acceptance import emitted_rows, rejection_sample
+from replaylm.speculative.acceptance import emitted_rows, rejection_sample
 
 V, N = 6, 12000
 

@@ -1,0 +1,75 @@
+"""``Engine``: what the entry points (``LLM``, the server, the benchmarks) need of an engine.
+
+``EngineCore`` (one process) and ``distributed.MultiProcessEngine`` (worker processes for data
+and tensor parallelism) both meet it, so callers never branch on the class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from replaylm.config import EngineArgs
+from replaylm.engine.observer import StepObserver
+from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.stats import EngineStats
+from replaylm.model.config import ModelConfig
+from replaylm.sampling_params import SamplingParams
+from replaylm.speculative.stats import SpecStats
+
+
+class Added(Protocol):
+    """What ``add_request`` reports of a queued request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class Engine(Protocol):
+    """Requests in, per-step deltas out.
+
+    ``step()`` advances every unfinished request and returns what changed
+    (``RequestDelta``s); ``stats`` are exact counters (they may ask worker processes),
+    ``live_stats`` the same counters as another thread may read them without a message to
+    any worker. ``shutdown()`` ends whatever processes the engine holds (idempotent).
+    """
+
+    args: EngineArgs
+    model_config: ModelConfig
+    tokenizer: Any
+    max_model_len: int
+    graph_mode: str
+    device: torch.device
+    dtype: torch.dtype
+    step_observer: StepObserver
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
+                 tokenizer: Any = None) -> list[int]: ...
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Added: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def live_stats(self) -> EngineStats: ...
+
+    @property
+    def spec_stats(self) -> SpecStats | None: ...
+
+    def graph_stats(self) -> dict: ...
+
+    def shutdown(self) -> None: ...
