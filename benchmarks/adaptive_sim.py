@@ -115,7 +115,7 @@ def run(sc: Scenario, p: float, policy: str, tokens: int, seed: int = 0,
             props = drafter.propose(live, room)
             for r, d in zip(live, props):
                 r.draft_tokens = d
-            if budget is not None:  # as EngineCore._propose_drafts: those with room
+            if budget is not None:  # as Speculation._propose_drafts: those with room
                 able = [(r, k) for r, k in zip(live, room) if k]
                 budget.choose([r for r, _ in able], len(live), [k for _, k in able])
             drafts = [len(r.draft_tokens) for r in live]

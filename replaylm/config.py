@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, fields
 from typing import Any, get_args
@@ -148,6 +149,14 @@ class EngineArgs:
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
 
+    @functools.cached_property
+    def spec(self) -> SpecConfig | None:
+        """``speculative_config`` parsed (``SpecConfig``), or None when speculation is off. The
+        one place it is parsed: ``__post_init__`` reads it, so a bad dict fails here."""
+        if self.speculative_config is None:
+            return None
+        return SpecConfig.from_dict(self.speculative_config)
+
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
@@ -169,8 +178,7 @@ class EngineArgs:
         _non_negative("rope_in_attention_max_reqs", self.rope_in_attention_max_reqs)
         _non_negative("tuning_compile_threads", self.tuning_compile_threads)
         _non_negative("moe_side_stream_max_tokens", self.moe_side_stream_max_tokens)
-        if self.speculative_config is not None:
-            SpecConfig.from_dict(self.speculative_config)
+        _ = self.spec  # parses (and so validates) speculative_config
         _positive("data_parallel_size", self.data_parallel_size)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if isinstance(self.distributed_timeout_s, bool) or not isinstance(

@@ -165,13 +165,6 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    @property
-    def uses_logits_processing(self) -> bool:
-        """Whether any logit processing beyond temperature/top-k/top-p is requested."""
-        return (
-            self.uses_penalties or self.min_p > 0.0 or bool(self.logit_bias)
-            or self.min_tokens > 0
-        )
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

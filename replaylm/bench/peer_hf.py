@@ -63,7 +63,7 @@ def load_hf_model(args: EngineArgs) -> Any:
     """The transformers model of ``args.model`` on replaylm's device and dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from replaylm.engine.model_runner import resolve_device, resolve_dtype
+    from replaylm.engine.runner_setup import resolve_device, resolve_dtype
     from replaylm.model.shapes import DEFAULT_MODEL_DIR, hf_config_from_dict, resolve_model
 
     device = resolve_device(args.device)

@@ -63,7 +63,7 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
 
     from replaylm import LLM, SamplingParams
     from replaylm.bench.decode import weight_bytes_of
-    from replaylm.engine.model_runner import resolve_device
+    from replaylm.engine.runner_setup import resolve_device
     from replaylm.kernels import jit_clock
 
     import_s = time.time() - launched_at

@@ -31,12 +31,12 @@ import torch.multiprocessing as tmp
 
 from replaylm.config import EngineArgs
 from replaylm.distributed.worker import worker_main
-from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, load_tokenizer
-from replaylm.engine.model_runner import resolve_device
 from replaylm.engine.observer import NO_OBSERVER, StepObserver
 from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
+from replaylm.engine.validation import RequestChecks, resolve_max_model_len
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
@@ -55,11 +55,10 @@ class WorkerError(RuntimeError):
     """A worker (data- or tensor-parallel) died, failed or stopped answering."""
 
 
-class MultiProcessEngine:
-    # Prompt handling needs only the model's config, the tokenizer and the settings, which
-    # the driver loads itself: the same methods as a single engine's.
-    tokenize = EngineCore.tokenize
-    validate = EngineCore.validate
+class MultiProcessEngine(RequestChecks):
+    """The ``Engine`` of worker processes. Prompt handling needs only the model's config,
+    the tokenizer and the settings, which the driver loads itself (``RequestChecks``, as a
+    single engine's)."""
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -72,7 +71,7 @@ class MultiProcessEngine:
         check_tensor_parallel(self.model_config, self.tp)
         if args.enable_dp_attention:
             check_dp_attention(self.model_config, self.size)
-        self.max_model_len = EngineCore._resolve_max_model_len(args, self.model_config)
+        self.max_model_len = resolve_max_model_len(args, self.model_config)
         self.tokenizer = load_tokenizer(args, model_dir)
         # One exchange with the workers at a time, whichever thread asks.
         self._lock = threading.RLock()

@@ -52,7 +52,7 @@ from replaylm.distributed.worker import (
 )
 from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config
-from replaylm.engine.model_runner import resolve_device
+from replaylm.engine.runner_setup import resolve_device
 from replaylm.env import LaunchedRank
 from replaylm.model.parallel import check_tensor_parallel
 

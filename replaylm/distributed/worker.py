@@ -30,8 +30,10 @@ from replaylm.config import EngineArgs
 from replaylm.distributed.agreement import TierAgreement, init_group, tensor_parallel_group
 from replaylm.engine.core import EngineCore
 from replaylm.engine.loading import load_model_config, resolve_weights_dir
-from replaylm.engine.model_runner import ModelRunner, resolve_device
+from replaylm.engine.model_runner import ModelRunner
+from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
+from replaylm.engine.validation import resolve_max_model_len
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 
 #: Seconds between the statistics a leader attaches to its step replies (the driver's live
@@ -152,7 +154,7 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
     reached its host, so this rank's copies for step N have run by then."""
     cfg, model_dir = load_model_config(args.model)
     runner = ModelRunner(args, cfg, resolve_weights_dir(model_dir, cfg, args.load_format),
-                         EngineCore._resolve_max_model_len(args, cfg), tpc)
+                         resolve_max_model_len(args, cfg), tpc)
     conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
                       "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
                       "tune_seconds": runner.tune_seconds}))

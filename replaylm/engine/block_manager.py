@@ -65,9 +65,6 @@ class BlockManager:
         """Extra blocks ``req`` needs so that its blocks cover ``num_tokens`` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(req.block_ids))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req.block_ids`` to cover ``num_tokens`` tokens; all or nothing."""
         if num_tokens <= len(req.block_ids) * self.block_size:
@@ -77,10 +74,16 @@ class BlockManager:
             return False
         for _ in range(need):
             # Plain free blocks first: a cached block is only evicted when nothing else is left.
-            block = self._free.pop() if self._free else self.cache.pop_lru()  # type: ignore[union-attr]
+            block = self._free.pop() if self._free else self._evict()
             self._refcount[block] = 1
             req.block_ids.append(block)
         return True
+
+    def _evict(self) -> int:
+        """The least recently used cached block, taken out of the cache (``allocate`` calls
+        it only when ``num_free_blocks`` counts evictable blocks, so a cache exists)."""
+        assert self.cache is not None
+        return self.cache.pop_lru()
 
     def free(self, req: Request) -> None:
         """Drop every block ``req`` holds; idempotent."""

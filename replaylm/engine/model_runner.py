@@ -6,25 +6,33 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from replaylm.attention.backend import AttentionBackend
-from replaylm.attention.torch_dense import TorchDenseAttentionBackend
-from replaylm.attention.torch_ref import TorchAttentionBackend
-from replaylm.batch import BLOCK_SIZE, AttentionMetadata, HostBatch, to_device
+from replaylm.batch import BLOCK_SIZE, HostBatch, to_device
 from replaylm.config import EngineArgs
+from replaylm.engine.kv_sizing import KVSizing
 from replaylm.engine.packing import build_host_batch
-from replaylm.engine.prompt_logprobs import plan_prompt_logprobs
 from replaylm.engine.request import Request
+from replaylm.engine.runner_setup import (
+    RunnerStartup,
+    make_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from replaylm.engine.scheduler import SchedulerOutput
-from replaylm.graphs.policy import Dispatch, GraphPolicy, attention_backend_name, resolve_mode
+from replaylm.engine.step_input import (
+    Accept,
+    StepInput,
+    from_leader,
+    prompt_plan,
+    sent_to_group,
+)
+from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
-from replaylm.kernels import compile_plan, jit_clock
+from replaylm.kernels import compile_plan
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -34,94 +42,13 @@ from replaylm.model.parallel import (
     dp_attention_config,
     shard_config,
 )
-from replaylm.sampling.sampler import sample
-from replaylm.sampling.step import PendingStep, PromptLogprobPlan, StepSampler
+from replaylm.sampling.step import PendingStep, PromptLogprobPlan, SampleRows, StepSampler
 from replaylm.speculative.acceptance import emitted_rows
 from replaylm.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"EngineArgs.device={name!r} but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def make_attention_backend(requested: str, device: torch.device, mode: str) -> AttentionBackend:
-    """The attention backend for ``mode`` (``graphs.policy.attention_backend_name``)."""
-    triton_backend = None
-    if requested == "triton" or (requested == "auto" and device.type == "cuda"):
-        try:
-            from replaylm.attention.triton_backend import TritonAttentionBackend as triton_backend
-        except ImportError as e:
-            log.debug("Triton attention does not import: %s", e)
-    name = attention_backend_name(requested, device.type, mode, triton_backend is not None)
-    if name == "triton":
-        return triton_backend()
-    return TorchDenseAttentionBackend() if name == "torch_dense" else TorchAttentionBackend()
-
-
-@dataclass
-class StepInput:
-    """One step as a tensor-parallel leader sends it to the other ranks of its group: the
-    host batch (a verify's layout included: drafts, ``draft_next`` / ``seg_start``, padding
-    rows, penalty rows), the sampling settings of newly slotted requests, the prompt-logprob
-    rows (host tensors, without the requests), and whether the leader's drafter replaces
-    verify samples (``accept_from_leader``: the ranks then take the leader's tokens)."""
-
-    host: HostBatch
-    admitted: list[SimpleNamespace]
-    plan: PromptLogprobPlan | None
-    accept_from_leader: bool = False
-
-    @staticmethod
-    def of(out: SchedulerOutput, host: HostBatch, accept_from_leader: bool = False
-           ) -> StepInput:
-        admitted = [SimpleNamespace(slot=r.slot, sampling_params=r.sampling_params, seed=r.seed,
-                                    prompt_token_ids=r.prompt_token_ids,
-                                    output_token_ids=r.output_token_ids,
-                                    eos_token_ids=r.eos_token_ids)
-                    for r in out.newly_slotted]
-        plan = _prompt_plan(out, host, torch.device("cpu"))
-        if plan is not None:
-            plan = dataclasses.replace(plan, spans=[])
-        return StepInput(host, admitted, plan, accept_from_leader)
-
-
-#: A verify's acceptance rule: (processed logits, sampled tokens) -> the tokens kept.
-Accept = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _sent_to_group(accept: Accept, tp: TensorParallel) -> Accept:
-    """The leader's ``accept``, its kept tokens then broadcast to the tensor-parallel group."""
-    return lambda logits, tokens: tp.broadcast(accept(logits, tokens).contiguous())
-
-
-def _from_leader(tp: TensorParallel) -> Accept:
-    """A follower's acceptance: the tokens the leader's rule kept (``_sent_to_group``)."""
-    return lambda logits, tokens: tp.broadcast(torch.empty_like(tokens))
-
-
-def _prompt_plan(out: SchedulerOutput, host: HostBatch, device: torch.device
-                 ) -> PromptLogprobPlan | None:
-    """The step's prompt-logprob rows; the padded verify layout shifts them
-    (``host.cu_seqlens_q``)."""
-    return plan_prompt_logprobs(out, device,
-                                host.cu_seqlens_q if host.layout_pad_tokens else None)
-
-
-class ModelRunner:
+class ModelRunner(RunnerStartup, KVSizing):
     """Owns one model, its KV pool, its graphs and the per-slot sampling state; runs steps.
 
     ``kv_partner``: a second pool sized with this one (a draft model's,
@@ -148,8 +75,7 @@ class ModelRunner:
                  max_model_len: int, tp: TensorParallel | None = None,
                  kv_partner: Any = None, dp: DataParallelAttention | None = None) -> None:
         self._setup(args, cfg, max_model_len, tp, dp)
-        self.spec = (SpecConfig.from_dict(args.speculative_config)
-                     if args.speculative_config is not None else None)
+        self.spec: SpecConfig | None = args.spec
         if self.spec is not None:
             # Verify steps run through the token tiers (``full`` graphs serve only uniform
             # decode: its verifies run eagerly, bounded by the step budget alone).
@@ -221,21 +147,6 @@ class ModelRunner:
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
 
-    def _configure_all_reduce(self) -> dict | None:
-        """Under tensor parallel, decide how the group sums (``EngineArgs.all_reduce_backend``,
-        ``model.allreduce``: measured now, before KV sizing and capture); the report, or None
-        without a group."""
-        tp = self.tp
-        if tp is None or tp.size == 1 or tp.group is None:
-            return None
-        report = tp.reducer.configure(self.args.all_reduce_backend, tp.group,
-                                      self.cfg.hidden_size, self.dtype, self.device)
-        if tp.rank == 0:
-            log.info("tensor-parallel all-reduce (%s): %s; %s; latency (us) by tokens: %s",
-                     report["setting"], report["summary"], report["reason"],
-                     report["latency_us"] or "not measured")
-        return report
-
     def _start_graphs(self) -> None:
         """Bind the model to its KV pool, build the graph runtime and capture its graphs."""
         args, cfg = self.args, self.cfg
@@ -259,187 +170,6 @@ class ModelRunner:
         jit_before = self._jit_snapshot()
         self.graphs.capture()
         self.capture_jit = self._jit_snapshot().since(jit_before)
-
-    def _plan_key(self) -> str:
-        return compile_plan.plan_key(torch.cuda.get_device_name(self.device),
-                                     dataclasses.asdict(self.cfg), dataclasses.asdict(self.args),
-                                     self.graph_mode)
-
-    def _compile_ahead(self) -> compile_plan.PreloadStats | None:
-        """On CUDA with ``EngineArgs.compile_ahead``: compile, on a thread pool, the kernel
-        variants an earlier start with these shapes and settings compiled (``kernels.
-        compile_plan``), before anything launches them; None otherwise."""
-        if self.device.type != "cuda" or not self.args.compile_ahead:
-            return None
-        from replaylm.kernels import tuner
-
-        entries, source = compile_plan.read(self._plan_key())
-        if not entries:
-            return None
-        threads = tuner.compile_threads(self.args.tuning_compile_threads)
-        try:
-            stats = compile_plan.preload(entries, threads)
-        except Exception as e:  # noqa: BLE001 - without the plan the launches compile as usual
-            log.warning("compile plan %s not preloaded: %s", source, e)
-            return None
-        stats.source = str(source)
-        log.info("compile plan %s: %d kernels compiled ahead on %d threads in %.2f s "
-                 "(%d skipped, %d refused)", source, stats.submitted, threads, stats.seconds,
-                 stats.skipped, stats.refused)
-        return stats
-
-    def _save_compile_plan(self) -> None:
-        """Write the kernel variants this start compiled as its compile plan (on CUDA)."""
-        if self.device.type != "cuda" or not self.args.compile_ahead:
-            return
-        try:
-            compile_plan.save(self._plan_key())
-        except OSError as e:  # a read-only cache directory: the next start compiles as usual
-            log.warning("compile plan not saved: %s", e)
-
-    def _configure_pdl(self) -> bool:
-        """Apply ``EngineArgs.pdl`` to the Triton kernels (process-wide); returns whether
-        they launch with PDL."""
-        if self.attn.name != "triton":
-            if self.args.pdl == "on":
-                raise ValueError("EngineArgs.pdl='on' needs the Triton kernels (CUDA with "
-                                 "attention_backend triton or auto)")
-            return False
-        from replaylm.kernels import pdl
-
-        return pdl.configure(self.args.pdl)
-
-    def _tune_kernels(self) -> float:
-        """Decide the projections' kernels (``kernels.tuner``) at every row count a graph
-        tier can run them with, before capture, so capture time is capture alone: the model
-        runs each of its dense calls at that size (``tuner.decide_all``: the kernels the
-        decisions need compile ahead on a thread pool, then what neither the user's cache
-        nor the shipped table decides is timed). Sets ``tuning`` (``TuningStats``) and
-        ``tune_jit``; returns the seconds spent."""
-        self.tuning = None
-        self.tune_jit = jit_clock.JitTotals()
-        if self.model.kernels is None:
-            return 0.0
-        from replaylm.kernels import tuner
-        from replaylm.kernels.skinny import MAX_M
-
-        jit_before, stats_before = self._jit_snapshot(), tuner.STATS.copy()
-        start = time.perf_counter()
-        tuner.configure(shipped_table=self.args.shipped_tuning_table)
-        tiers = self.policy.decode_tiers + self.policy.token_tiers
-        sizes = sorted({t for t in tiers if t <= MAX_M} | {1})
-        threads = tuner.compile_threads(self.args.tuning_compile_threads)
-        tuner.decide_all(lambda: [self.model.run_dense_calls(m) for m in sizes], threads)
-        seconds = time.perf_counter() - start
-        self.tuning = tuner.STATS.since(stats_before)
-        self.tune_jit = self._jit_snapshot().since(jit_before)
-        log.info("projection kernels for %d row counts in %.2f s: decisions %s; %d kernels "
-                 "compiled ahead on %d threads in %.2f s, %d candidates timed in %.2f s",
-                 len(sizes), seconds, dict(self.tuning.sources), self.tuning.precompiled,
-                 threads, self.tuning.precompile_s, self.tuning.candidates_timed,
-                 self.tuning.timing_s)
-        return seconds
-
-    def _jit_snapshot(self) -> jit_clock.JitTotals:
-        """Triton compile totals so far (``kernels.jit_clock``; counted on CUDA only)."""
-        if self.device.type == "cuda":
-            jit_clock.install()
-        return jit_clock.snapshot()
-
-    def _warm_sampler(self) -> None:
-        """Build the sampler's cached tables now, not inside a step that may be captured."""
-        logits = torch.zeros(1, self.cfg.vocab_size, device=self.device)
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        sample(logits, zeros, zeros, self.sampler.state, all_greedy=False, need_filter=True)
-
-    # KV pool -------------------------------------------------------------------------------
-
-    @property
-    def block_bytes(self) -> int:
-        return self.cfg.kv_bytes_per_token(self.dtype) * BLOCK_SIZE
-
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.cfg.num_layers, 2, num_blocks, BLOCK_SIZE, self.cfg.num_kv_heads,
-                 self.cfg.head_dim)
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
-
-    def _decide_num_blocks(self) -> int:
-        args = self.args
-        # More blocks than every slot at full length could ever hold are never used.
-        useful = args.max_num_seqs * self.max_blocks_per_req + 1
-        if args.num_kv_blocks is not None:
-            return args.num_kv_blocks
-        partner = self.kv_partner
-        per_block = self.block_bytes + (partner.partner_block_bytes if partner else 0)
-        fixed = partner.partner_fixed_bytes if partner else 0
-        if self.device.type != "cuda":
-            return max(2, min(useful, (int(args.cpu_kv_cache_gib * 2**30) - fixed) // per_block))
-        peak = self._profile_activation_peak()
-        free, total = torch.cuda.mem_get_info(self.device)
-        torch_reserved = torch.cuda.memory_reserved(self.device)
-        not_ours = total - free - torch_reserved
-        weights = torch.cuda.memory_allocated(self.device)
-        graphs = self._estimate_graph_bytes(peak)
-        budget = total * args.gpu_memory_utilization - not_ours - weights - peak - graphs - fixed
-        blocks = int(budget // per_block)
-        log.info("KV sizing: total %.1f GiB, weights %.2f GiB, activation peak %.2f GiB, "
-                 "graphs (estimate) %.2f GiB, other %.2f GiB, partner pool %.2f GiB + %d B per "
-                 "block -> %d blocks", total / 2**30, weights / 2**30, peak / 2**30,
-                 graphs / 2**30, not_ours / 2**30, fixed / 2**30, per_block - self.block_bytes,
-                 blocks)
-        if blocks < 2:
-            raise ValueError(
-                f"no GPU memory left for the KV cache (weights {weights / 2**30:.2f} GiB, "
-                f"activation peak {peak / 2**30:.2f} GiB): raise gpu_memory_utilization or "
-                "lower max_num_batched_tokens"
-            )
-        return min(blocks, useful)
-
-    def _estimate_graph_bytes(self, profile_peak: int) -> int:
-        """Memory the graphs will hold, reserved before the KV pool is sized.
-
-        Graphs share one pool, captured largest first, so it holds about one activation peak
-        of the top tier (scaled from the profiling run), plus the runners' static buffers.
-        """
-        top = self.policy.top_tier
-        if top == 0:
-            return 0
-        profiled = min(self.args.max_num_batched_tokens, self.max_model_len)
-        acts = profile_peak * min(1.0, top / profiled)
-        static = GraphRuntime.estimate_static_bytes(
-            self.policy, vocab_size=self.cfg.vocab_size, q_size=self.cfg.q_size,
-            dtype=self.dtype, max_num_seqs=self.args.max_num_seqs,
-            rows_per_req=self.rows_per_req)
-        return int(acts + static + 64 * 2**20)
-
-    @torch.inference_mode()
-    def _profile_activation_peak(self) -> int:
-        """Run the largest step once on a throwaway cache; return its activation peak in bytes."""
-        n = min(self.args.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-n // BLOCK_SIZE) + 1
-        caches = self._allocate_kv(blocks)
-        self.model.bind(self.attn, caches, self.max_model_len)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            kv_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_table=torch.arange(1, blocks, dtype=torch.int32, device=self.device)[None],
-            slot_mapping=torch.arange(BLOCK_SIZE, BLOCK_SIZE + n, device=self.device),
-            num_tokens=n, num_reqs=1, max_q_len=n, max_kv_len=n,
-            cu_seqlens_q_cpu=[0, n], kv_lens_cpu=[n],
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        hidden = self.model(ids, pos, meta)
-        self.model.compute_logits(hidden[-min(n, self.args.max_num_seqs * self.rows_per_req):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del caches, hidden
-        torch.cuda.empty_cache()
-        return peak
 
     # Steps ---------------------------------------------------------------------------------
 
@@ -469,15 +199,15 @@ class ModelRunner:
         if host.draft_next is not None and self.verify_accept is not None:
             accept = self.verify_accept(out, self.sampler.state)
         if self.broadcast is None:
-            return self._launch(host, out.newly_slotted, _prompt_plan(out, host, self.device),
+            return self._launch(host, out.newly_slotted, prompt_plan(out, host, self.device),
                                 agree, accept)
         step = StepInput.of(out, host, accept is not None)
         self.broadcast(("step", step))
         plan = step.plan
         if plan is not None:  # the leader's plan keeps the requests (its output spans)
-            plan = _prompt_plan(out, host, self.device)
-        if accept is not None:
-            accept = _sent_to_group(accept, self.tp)  # type: ignore[arg-type]
+            plan = prompt_plan(out, host, self.device)
+        if accept is not None and self.tp is not None:
+            accept = sent_to_group(accept, self.tp)
         return self._launch(host, out.newly_slotted, plan, agree, accept)
 
     @torch.inference_mode()
@@ -488,7 +218,9 @@ class ModelRunner:
         if plan is not None:
             plan = dataclasses.replace(plan, rows=plan.rows.to(self.device),
                                        targets=plan.targets.to(self.device))
-        accept = _from_leader(self.tp) if step.accept_from_leader else None  # type: ignore[arg-type]
+        accept = None
+        if step.accept_from_leader and self.tp is not None:
+            accept = from_leader(self.tp)
         return self._launch(step.host, step.admitted, plan, agree, accept)
 
     def _launch(self, host: HostBatch, admitted: list, plan: PromptLogprobPlan | None,
@@ -531,9 +263,9 @@ class ModelRunner:
             draft_counts = (
                 torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
                 torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
-        pending = self.sampler.run(logits, slots, batch.sample_out_pos[:n],
-                                   host.sample_slots.tolist(), plan, greedy, host_view,
-                                   draft_counts, accept)
+        pending = self.sampler.run(SampleRows(
+            logits, slots, batch.sample_out_pos[:n], host.sample_slots.tolist(), plan, greedy,
+            host_view, draft_counts, accept))
         if pending.device_tokens is not greedy:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded

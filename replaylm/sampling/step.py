@@ -38,6 +38,39 @@ class PromptLogprobPlan:
     spans: list[tuple[Any, int]]
 
 
+#: Maps a step's sampled tokens to other tokens of the same shape.
+TokenMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SampleRows:
+    """One step's sampled rows, as ``StepSampler.run`` takes them.
+
+    ``logits``: the sampled rows first, then the prompt-logprob rows of ``plan``, if any;
+    ``slots`` / ``out_pos``: each sampled row's request slot and output position (device),
+    ``slots_cpu`` the slots on the host. ``greedy``, when given, holds the rows' argmax
+    (computed inside the step's graph): a batch of greedy requests with no logit processing
+    takes it as is, with no kernel here. ``host_view``, when given, maps the sampled tokens
+    to what the host receives (a verify step's acceptance): only those rows count as outputs
+    for the penalties. ``draft_counts``: ``(rows, tokens)``, draft tokens each verify row's
+    penalties count as earlier outputs. ``accept``, when given, maps (processed logits,
+    sampled tokens) to the tokens the step keeps: a drafter whose proposals carry a
+    distribution replaces its draft rows' samples by its rejection sampling
+    (``engine.draft_model``), and a benchmark drafter imposes which drafts are accepted
+    (``bench.spec.ControlledDrafter``).
+    """
+
+    logits: torch.Tensor
+    slots: torch.Tensor
+    out_pos: torch.Tensor
+    slots_cpu: list[int]
+    plan: PromptLogprobPlan | None = None
+    greedy: torch.Tensor | None = None
+    host_view: TokenMap | None = None
+    draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    accept: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
 @dataclass
 class PendingStep:
     """Results of a launched step; the accessors wait for the copies to the host first."""
@@ -71,7 +104,8 @@ class PendingStep:
         if self.prompt_logprobs is None:
             return []
         self._wait()
-        return self.prompt_logprobs.rows(self.prompt_ks or [])  # type: ignore[return-value]
+        ks: list[int | None] = list(self.prompt_ks or [])
+        return [row for row in self.prompt_logprobs.rows(ks) if row is not None]
 
 
 class StepSampler:
@@ -127,27 +161,16 @@ class StepSampler:
         self.state.flush()
         self.procs.flush()
 
-    def run(self, logits: torch.Tensor, sample_slots: torch.Tensor, sample_out_pos: torch.Tensor,
-            slots_cpu: list[int], plan: PromptLogprobPlan | None,
-            greedy: torch.Tensor | None = None,
-            host_view: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-            accept: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-            ) -> PendingStep:
-        """Sample rows ``[0, len(slots_cpu))`` of ``logits``; score the plan's rows after them.
+    def run(self, rows: SampleRows) -> PendingStep:
+        """Sample ``rows`` (rows ``[0, len(rows.slots_cpu))`` of its logits); score the
+        prompt-logprob plan's rows after them.
 
-        ``greedy``, when given, holds the rows' argmax (computed inside the step's graph): a
-        batch of greedy requests with no logit processing takes it as is, with no kernel here.
         Returns the step's results with their host copies started (CUDA: pinned memory,
-        non-blocking, one event recorded after all of them). ``host_view``, when given, maps
-        the sampled tokens to what the host receives (a verify step's acceptance): only
-        those rows count as outputs for the penalties. ``draft_counts``: ``(rows, tokens)``,
-        draft tokens each verify row's penalties count as earlier outputs. ``accept``, when
-        given, maps (processed logits, sampled tokens) to the tokens the step keeps: a
-        drafter whose proposals carry a distribution replaces its draft rows' samples by its
-        rejection sampling (``engine.draft_model``), and a benchmark drafter imposes which
-        drafts are accepted (``bench.spec.ControlledDrafter``).
+        non-blocking, one event recorded after all of them).
         """
+        logits, sample_slots, sample_out_pos = rows.logits, rows.slots, rows.out_pos
+        slots_cpu, plan, greedy = rows.slots_cpu, rows.plan, rows.greedy
+        host_view, draft_counts, accept = rows.host_view, rows.draft_counts, rows.accept
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
         all_greedy = self.state.all_greedy(slots_cpu)

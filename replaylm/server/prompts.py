@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from replaylm.engine.core import validate_features
 from replaylm.engine.protocol import Engine
 from replaylm.engine.stop_strings import stop_automaton
+from replaylm.engine.validation import validate_features
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.protocol import APIError
 

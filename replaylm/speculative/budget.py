@@ -11,17 +11,9 @@ decoding, and a larger ``D`` must do strictly better to be chosen.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
-
-
-def step_cost(tier_costs: Sequence[tuple[int, float]], num_tokens: int) -> float | None:
-    """Seconds of a step of ``num_tokens`` tokens: the cost of the smallest tier holding it
-    (``tier_costs`` sorted by tier); None above the top tier."""
-    i = bisect_left([t for t, _ in tier_costs], num_tokens)
-    return tier_costs[i][1] if i < len(tier_costs) else None
 
 
 def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replaylm import LLM, SamplingParams
-from replaylm.engine.model_runner import make_attention_backend
+from replaylm.engine.runner_setup import make_attention_backend
 from tests.model_helpers import bound_model, one_request_meta
 
 pytestmark = [

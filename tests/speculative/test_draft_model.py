@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replaylm import LLM, SamplingParams
-from replaylm.engine.draft_model import check_draft_model
+from replaylm.engine.draft_runner import check_draft_model
 from replaylm.engine.loading import load_model_config
 from tests.speculative.test_spec_engine import _engine, _traffic
 
@@ -245,7 +245,7 @@ def test_tokenizer_ids_and_positions_are_checked():
         check_draft_model("qwen3-0.6b", qwen, None, target, None, 8192)
     with pytest.raises(ValueError, match="reaches 8192 positions, fewer than max_model_len"):
         check_draft_model("llama3-8b", target, None, small, None, 10000)
-    from replaylm.engine import draft_model
+    from replaylm.engine import draft_runner as draft_model
 
     def tok(vocab):
         return SimpleNamespace(get_vocab=lambda: vocab)

@@ -200,14 +200,14 @@ def test_adaptive_coasting_overlaps_plain_steps(qwen3_dir, mode, monkeypatch):
     expected = _traffic(_engine(qwen3_dir, "eager"), seed=2, n_reqs=8)
     llm = _engine(qwen3_dir, mode, NGRAM | {"budget": "adaptive"})
     core = llm.engine
-    assert core._overlap
+    assert core.overlap
     core.budget.coasting = True
     in_flight, coasting = [], [True]
     step = core.step
 
     def watched():
         deltas = step()
-        in_flight.append(core._inflight is not None)
+        in_flight.append(core.inflight is not None)
         coasting.append(core.budget.coasting)
         return deltas
 

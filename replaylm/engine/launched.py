@@ -1,0 +1,42 @@
+"""A launched step, and what the speculative step needs of the engine core that launches it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from replaylm.config import EngineArgs
+from replaylm.engine.model_runner import ModelRunner
+from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.scheduler import Scheduler, SchedulerOutput
+from replaylm.graphs.policy import Dispatch
+from replaylm.sampling.step import PendingStep
+
+
+@dataclass
+class Launched:
+    """A step on the device: what was scheduled, its pending samples, how it ran."""
+
+    out: SchedulerOutput
+    pending: PendingStep | None
+    dispatch: Dispatch
+    padded: int
+
+
+class StepHost(Protocol):
+    """The engine core's side of a step (``EngineCore``), as ``Speculation.step`` drives it."""
+
+    args: EngineArgs
+    max_model_len: int
+    scheduler: Scheduler
+    runner: ModelRunner
+    overlap: bool
+    inflight: Launched | None
+
+    def launch(self, out: SchedulerOutput) -> tuple[Launched | None, list[RequestDelta]]: ...
+
+    def due(self, launched: Launched | None, keep_in_flight: bool) -> list[Launched]: ...
+
+    def wait(self, step: Launched) -> list[int]: ...
+
+    def apply(self, step: Launched, sampled: list[int]) -> list[RequestDelta]: ...

@@ -1,0 +1,164 @@
+"""The speculative step: drafts proposed before scheduling, verified in the step, resolved at
+once; with the adaptive budget, plain overlapped steps while speculation does not pay.
+
+``EngineCore.step`` hands the whole step here when ``speculative_config`` is set. What a
+verify does on the device (the acceptance rule, the padded layout) is the model runner's;
+which drafts to verify is ``speculative.adaptive``'s; this module only orders the step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from replaylm.engine.draft_model import DraftModelDrafter
+from replaylm.engine.draft_runner import DraftModelRunner
+from replaylm.engine.launched import Launched, StepHost
+from replaylm.engine.outputs import RequestDelta
+from replaylm.engine.request import Request
+from replaylm.speculative.adaptive import AdaptiveBudget, eager_tiers
+from replaylm.speculative.config import SpecConfig
+from replaylm.speculative.drafter import Drafter, make_drafter
+from replaylm.speculative.stats import SpecStats
+
+
+class Speculation:
+    """The drafter, its counters and the budget of one engine, and the step that uses them."""
+
+    def __init__(self, core: StepHost, spec: SpecConfig,
+                 draft_runner: DraftModelRunner | None) -> None:
+        self.core = core
+        self.spec = spec
+        runner = core.runner
+        self.stats = SpecStats(spec.num_speculative_tokens, spec.budget, spec.verify)
+        self.drafter: Drafter
+        if draft_runner is not None:
+            drafter = DraftModelDrafter(draft_runner, spec, runner.num_blocks,
+                                        core.max_model_len, runner.sampler.state, self.stats)
+            core.scheduler.on_release = drafter.release
+            self.use(drafter)
+        else:
+            self.use(make_drafter(spec))
+        self.budget: AdaptiveBudget | None = None
+        if spec.budget == "adaptive":
+            top = runner.policy.top_tier
+            tiers = runner.policy.token_tiers + [
+                t for t in eager_tiers(core.args.max_num_batched_tokens) if t > top]
+            self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens)
+        # Plain steps overlap (``EngineCore.overlap``) only while the adaptive budget coasts,
+        # and only for drafters without device state.
+        self.overlaps = self.budget is not None and draft_runner is None
+        self._last_end: float | None = None  # end of the previous step that launched work
+
+    def use(self, drafter: Drafter) -> None:
+        """Propose drafts with ``drafter`` from the next step on; the rest of the configuration
+        (``num_speculative_tokens``, budget, verify layout) stays. A drafter with an
+        ``acceptance`` method decides its verify rows' tokens with it
+        (``ModelRunner.verify_accept``). Benchmarks use it for drafters with a known
+        acceptance rate (``replaylm.bench.spec``)."""
+        self.drafter = drafter
+        self.core.runner.verify_accept = getattr(drafter, "acceptance", None)
+
+    def step(self) -> tuple[Launched | None, list[RequestDelta]]:
+        """One step: propose drafts (or, coasting, a shadow round), launch, resolve. A step
+        that verifies drafts resolves before returning; a plain one may stay in flight."""
+        core, budget = self.core, self.budget
+        deltas: list[RequestDelta] = []
+        if budget is not None and budget.coasting and core.overlap:
+            self._shadow_round()
+        else:
+            if core.inflight is not None:  # drafts continue every request's latest token
+                deltas += self._resolve(core.due(None, keep_in_flight=False)[0])
+                self._last_end = None  # this step's time includes the previous one's wait
+            self._propose_drafts()
+        out = core.scheduler.schedule()
+        launched, errors = core.launch(out)
+        deltas += errors
+        if launched is not None:
+            self.stats.record_launch(out.scheduled, out.num_batched_tokens, launched.padded,
+                                     core.runner.layout_pad_tokens)
+        verified = launched is not None and any(s.drafts for s in out.scheduled)
+        due = core.due(launched, keep_in_flight=core.overlap and not verified)
+        for step in due:
+            deltas += self._resolve(step)
+        if budget is not None:
+            self._observe(budget, launched, due, verified)
+        return launched, deltas
+
+    def _resolve(self, step: Launched) -> list[RequestDelta]:
+        sampled = self.core.wait(step)
+        for req, k, accepted in self.stats.record_resolve(step.out.scheduled, sampled):
+            if self.budget is not None:
+                self.budget.observe_verify(req, k, accepted)
+        return self.core.apply(step, sampled)
+
+    def _observe(self, budget: AdaptiveBudget, launched: Launched | None,
+                 due: list[Launched], verified: bool) -> None:
+        """The step's cost: end of the previous step to the end of this one, counted where it
+        includes a wait for the GPU (plain with overlap: the previous step's; otherwise its
+        own, after a step that left nothing in flight)."""
+        now = time.perf_counter()
+        steady = bool(due) and (verified or not self.core.overlap or due[0] is not launched)
+        if launched is not None and self._last_end is not None and steady:
+            tier = (launched.dispatch.tier if launched.dispatch.graphed
+                    else budget.tier_of(launched.out.num_batched_tokens))
+            budget.observe_step(tier, now - self._last_end, verified)
+        self._last_end = now if launched is not None else None
+        if budget.coasting and budget.shadow:
+            budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
+                                self._generating, self._base_tokens)
+
+    # Drafting ------------------------------------------------------------------------------
+
+    def _decoding(self) -> list[Request]:
+        """Running requests whose next step decodes one token (the ones that may draft)."""
+        return [r for r in self.core.scheduler.running
+                if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens]
+
+    def _generating(self) -> list[Request]:
+        """Running requests with output tokens (with a step in flight, a decoding request's
+        next token is pending: ``_decoding`` does not list it)."""
+        return [r for r in self.core.scheduler.running if r.num_output_tokens]
+
+    def _draft_room(self, reqs: list[Request]) -> list[int]:
+        k = self.spec.num_speculative_tokens
+        return [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
+
+    def _base_tokens(self) -> int:
+        """The next step's tokens without drafts, as the scheduler will likely lay them out:
+        every running request's uncomputed tokens, then waiting prompts, in the budget."""
+        sched = self.core.scheduler
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        return max(1, min(base, self.core.args.max_num_batched_tokens))
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
+        Penalties apply per output position in a verify (each row counts the drafts before
+        it), so requests with penalties draft too."""
+        for r in self.core.scheduler.running:
+            r.draft_tokens = []
+        reqs = self._decoding()
+        room = self._draft_room(reqs)
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(reqs, room)
+        for r, drafts in zip(reqs, proposals):
+            r.draft_tokens = drafts
+        self.stats.draft_seconds += time.perf_counter() - t0
+        if self.budget is not None:
+            able = [(r, k) for r, k in zip(reqs, room) if k > 0]
+            kept = self.budget.choose([r for r, _ in able], self._base_tokens(),
+                                      [k for _, k in able])
+            self.stats.budget_tokens += sum(kept)
+
+    def _shadow_round(self) -> None:
+        """Coasting (``speculative.adaptive``): shadow proposals that learn acceptance
+        unverified."""
+        def candidates() -> tuple[list[Request], list[int]]:
+            reqs = self._generating()
+            return reqs, self._draft_room(reqs)
+
+        assert self.budget is not None  # coasting is the adaptive budget's
+        t0 = time.perf_counter()
+        self.budget.shadow_round(self.drafter, candidates)
+        self.stats.draft_seconds += time.perf_counter() - t0
+        self.stats.coast_steps += 1
