@@ -456,6 +456,22 @@ class EngineCore:
             self.stats.kv_blocks_cached = len(cache.entries)
             self.stats.prefix_cache_evictions = cache.evictions
 
+    def update_weights(self, source: Any, target: str = "model") -> Any:
+        """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
+        model's (``target="draft"``: the draft model's) buffers in place, all checked first
+        (``model.weight_update``); a model update drops the prefix cache (old-weight KV)."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"update_weights: target={target!r} is invalid: 'model' or 'draft'")
+        if target == "draft":
+            runner = getattr(self.drafter, "runner", None)
+            if runner is None:
+                raise ValueError("update_weights(target='draft') needs a draft model "
+                                 "(speculative_config method 'draft_model')")
+            return runner.update_weights(source)
+        result = self.runner.update_weights(source)
+        self.block_manager.drop_cached_blocks([*self.scheduler.running, *self.scheduler.waiting])
+        return result
+
     def detokenized_text(self, request_id: str) -> str:
         """Text released so far for a running request (sibling 0 with n > 1)."""
         group = self.requests.get(request_id)

@@ -545,6 +545,12 @@ class ModelRunner:
             self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
 
+    def update_weights(self, source: Any) -> Any:
+        """Copy new weights into this runner's model in place (``model.weight_update``)."""
+        from replaylm.model.weight_update import update_weights
+
+        return update_weights(self.model, source, self.full_cfg)
+
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled
         rows): graphs size their logits rows for sampling only, so such steps skip them.
