@@ -23,8 +23,9 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from time import monotonic
+from time import monotonic, perf_counter
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.multiprocessing as tmp
@@ -38,6 +39,7 @@ from replaylm.engine.observer import NO_OBSERVER, StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
+from replaylm.model.weight_update import WeightUpdate, wire_source
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
 
@@ -185,6 +187,24 @@ class MultiProcessEngine:
             self._refresh_live()
         obs.end(bool(deltas))
         return deltas
+
+    def update_weights(self, source: Any, target: str = "model") -> WeightUpdate:
+        """Copy new weights into every rank's model in place (``EngineCore.update_weights``):
+        a directory goes to the ranks as its path (each reads its slices), tensors as CPU
+        copies (``weight_update.wire_source``). Each data-parallel leader checks the whole
+        call before copying and hands it to its tensor-parallel followers; the first one's
+        refusal raises ``ValueError`` before any rank copied (every rank checks the same
+        names, shapes and dtypes). Returns data-parallel rank 0's counts and the seconds
+        the whole call took."""
+        t0 = perf_counter()
+        payload = wire_source(source)
+        first = None
+        for g in self.leaders:
+            status, value = self._call(g, "update_weights", payload, target)
+            if status == "invalid":
+                raise ValueError(value)
+            first = first or value
+        return dataclasses.replace(first, seconds=perf_counter() - t0)
 
     # Statistics ----------------------------------------------------------------------------
 
