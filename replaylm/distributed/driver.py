@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from time import monotonic
+from time import monotonic, perf_counter
 from types import SimpleNamespace
 
 import torch
@@ -38,6 +38,7 @@ from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
+from replaylm.model.weight_update import Source, WeightUpdate, wire_source
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
 
@@ -184,6 +185,24 @@ class MultiProcessEngine(RequestChecks):
             self._refresh_live()
         obs.end(bool(deltas))
         return deltas
+
+    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
+        """Copy new weights into every rank's model in place (``EngineCore.update_weights``):
+        a directory goes to the ranks as its path (each reads its slices), tensors as CPU
+        copies (``weight_update.wire_source``). Each data-parallel leader checks the whole
+        call before copying and hands it to its tensor-parallel followers; the first one's
+        refusal raises ``ValueError`` before any rank copied (every rank checks the same
+        names, shapes and dtypes). Returns data-parallel rank 0's counts and the seconds
+        the whole call took."""
+        t0 = perf_counter()
+        payload = wire_source(source)
+        first = None
+        for g in self.leaders:
+            status, value = self._call(g, "update_weights", payload, target)
+            if status == "invalid":
+                raise ValueError(value)
+            first = first or value
+        return dataclasses.replace(first, seconds=perf_counter() - t0)
 
     # Statistics ----------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ The driver's ``("step",)`` makes the engine take one step, which includes this r
 the tier agreement, so every data-parallel rank steps in lockstep.
 
 The leader's runner sends each step to its followers in one message over a pipe
-(``("step", StepInput)``, ``("idle",)``, ``("stop",)``); a follower runs the same step on its
+(``("step", StepInput)``, ``("idle",)``, ``("stop",)``, and after an in-place weight update
+it checked, ``("update_weights", source)``); a follower runs the same step on its
 shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
@@ -35,6 +36,7 @@ from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import resolve_max_model_len
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
+from replaylm.model.weight_update import from_wire
 
 #: Seconds between the statistics a leader attaches to its step replies (the driver's live
 #: view, which the server's ``/metrics`` reads); a rank that runs out of work always sends.
@@ -165,6 +167,8 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             runner.sampler.take_failed()  # the leader finishes those requests
         elif op == "idle":
             runner.idle(agree)
+        elif op == "update_weights":  # the leader checked it: the same checks pass here
+            runner.update_weights(from_wire(rest[0]))
         else:
             return
 
@@ -193,4 +197,13 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         return "ok", core.abort(*args)
     if op == "stats":
         return "ok", _snapshot(core)
+    if op == "update_weights":
+        payload, target = args
+        try:
+            result = core.update_weights(from_wire(payload), target)
+        except ValueError as e:
+            return "invalid", str(e)
+        if target == "model" and core.runner.broadcast is not None:
+            core.runner.broadcast(("update_weights", payload))  # the followers' shards
+        return "ok", result
     raise ValueError(f"unknown worker message {op!r}")

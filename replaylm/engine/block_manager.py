@@ -18,6 +18,9 @@ from replaylm.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hash
 from replaylm.engine.request import Request
 
 SCRATCH_BLOCK = 0
+# A request's block hash after ``drop_cached_blocks``: a serial no cache entry has, so the
+# blocks chained from it are never reached by a lookup (which walks from the root).
+STALE = (ROOT_HASH ^ 0x57A1E, -1)
 
 
 class BlockManager:
@@ -101,7 +104,10 @@ class BlockManager:
                 if b in self.cache.entries:
                     _require(self._refcount[b] == 1, f"truncate rewrites shared block {b}")
                     self.cache.forget(b)
+            stale = req.block_hashes[0] == STALE
             del req.block_hashes[full:]
+            if stale and not req.block_hashes:
+                req.block_hashes.append(STALE)  # its first block's K/V stays unregistered
         if keep < len(req.block_ids):
             self._release(req.block_ids[keep:])
             del req.block_ids[keep:]
@@ -207,6 +213,23 @@ class BlockManager:
                 self._free.append(displaced)
             req.block_hashes.append((h, serial))
             parent, parent_serial = h, serial
+
+    def drop_cached_blocks(self, live: Iterable[Request] = ()) -> int:
+        """Forget every cached block (their K/V came from weights that changed): each one no
+        request holds goes back to the plain free pool, each held one stays with its holders
+        but is never matched again. ``live`` (every request that holds blocks) stop
+        registering theirs: the blocks they hold now, and those that chain from them, hold
+        K/V partly computed before the change. Returns the blocks freed."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        freed = list(cache.evictable)
+        for b in list(cache.entries):
+            cache.forget(b)
+        self._free.extend(reversed(freed))
+        for req in live:
+            req.block_hashes = [STALE] * len(req.block_ids)
+        return len(freed)
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Raise ``AssertionError`` naming the first inconsistency between pool and requests.

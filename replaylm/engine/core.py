@@ -22,6 +22,7 @@ from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
 from replaylm.graphs.runtime import Agree
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
+from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.adaptive import AdaptiveBudget
 from replaylm.speculative.drafter import Drafter
@@ -146,6 +147,22 @@ class EngineCore(RequestChecks):
             return False
         self.stats.requests_aborted += 1
         return True
+
+    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
+        """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
+        model's (``target="draft"``: the draft model's) buffers in place, all checked first
+        (``model.weight_update``); a model update drops the prefix cache (old-weight KV)."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"update_weights: target={target!r} is invalid: 'model' or 'draft'")
+        if target == "draft":
+            runner = getattr(self.drafter, "runner", None)
+            if runner is None:
+                raise ValueError("update_weights(target='draft') needs a draft model "
+                                 "(speculative_config method 'draft_model')")
+            return runner.update_weights(source)
+        result = self.runner.update_weights(source)
+        self.block_manager.drop_cached_blocks([*self.scheduler.running, *self.scheduler.waiting])
+        return result
 
     def _forget(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):

@@ -42,6 +42,7 @@ from replaylm.model.parallel import (
     dp_attention_config,
     shard_config,
 )
+from replaylm.model.weight_update import Source, WeightUpdate, update_weights
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, SampleRows, StepSampler
 from replaylm.speculative.acceptance import emitted_rows
 from replaylm.speculative.config import SpecConfig
@@ -276,6 +277,10 @@ class ModelRunner(RunnerStartup, KVSizing):
         if self.broadcast is not None:
             self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
+
+    def update_weights(self, source: Source) -> WeightUpdate:
+        """Copy new weights into this runner's model in place (``model.weight_update``)."""
+        return update_weights(self.model, source, self.full_cfg)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled

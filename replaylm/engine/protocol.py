@@ -15,6 +15,7 @@ from replaylm.engine.observer import StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.model.config import ModelConfig
+from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
 
@@ -35,7 +36,8 @@ class Engine(Protocol):
     ``step()`` advances every unfinished request and returns what changed
     (``RequestDelta``s); ``stats`` are exact counters (they may ask worker processes),
     ``live_stats`` the same counters as another thread may read them without a message to
-    any worker. ``shutdown()`` ends whatever processes the engine holds (idempotent).
+    any worker. ``update_weights`` copies new weights into the model's buffers in place
+    (``model.weight_update``). ``shutdown()`` ends whatever processes the engine holds (idempotent).
     """
 
     args: EngineArgs
@@ -71,5 +73,7 @@ class Engine(Protocol):
     def spec_stats(self) -> SpecStats | None: ...
 
     def graph_stats(self) -> dict: ...
+
+    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate: ...
 
     def shutdown(self) -> None: ...

@@ -13,6 +13,7 @@ from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.engine.protocol import Engine
 from replaylm.engine.stats import EngineStats
 from replaylm.entrypoints.factory import make_engine
+from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -83,6 +84,19 @@ class LLM:
         share of verify steps (``padded_waste``) and the budget; ``{}`` when it is off."""
         s = self.engine.spec_stats
         return s.as_dict() if s is not None else {}
+
+    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
+        """Copy new weights into the model's buffers in place, without a restart or a graph
+        recapture. ``source``: a checkpoint directory (safetensors, as the model loads) or
+        ``(name, tensor)`` pairs (or a dict) in Hugging Face names, CPU or CUDA tensors in any
+        order, covering the whole model or any part of it (an update may come in several
+        calls). Every tensor is checked first: a name the model has no place for, a wrong
+        shape or a non-float dtype raises ``ValueError`` naming it and changes nothing (a
+        float of another dtype is cast). The prefix cache is dropped (its KV came from the
+        old weights). ``target="draft"``: the draft model of ``speculative_config``'s
+        ``draft_model`` method instead. Returns the tensors and bytes copied and the
+        seconds it took (``WeightUpdate``)."""
+        return self.engine.update_weights(source, target=target)
 
     def chat(
         self,

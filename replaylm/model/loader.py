@@ -2,7 +2,10 @@
 
 Loading is declared per parameter: ``PACKED`` and ``MOE_NAMES`` say where each checkpoint
 tensor goes, including the packed ``qkv_proj`` (q | k | v) and ``gate_up_proj`` (gate | up)
-shards and, in MoE layers, each expert's slice of the packed expert tensors.
+shards and, in MoE layers, each expert's slice of the packed expert tensors. ``WeightMap``
+turns a checkpoint name into its ``Placement`` in a built model (the view it fills, the
+shape it expects, the rank's part): loading and in-place updates (``model.weight_update``)
+both go through it.
 
 With tensor parallelism (``model.parallel``) each rank reads only its slices of the
 checkpoint: ``iter_checkpoint_slices`` yields safetensors' lazy slices and ``load_weights``
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,7 @@ def shard_sizes(cfg: ModelConfig, module: str) -> list[int]:
 
 # (our parameter name, expert index or None, shard index or None)
 Target = tuple[str, int | None, int | None]
+Part = tuple[int, int, int]  # (dim, start, size) of a checkpoint tensor
 
 
 def target_of(name: str, cfg: ModelConfig) -> Target | None:
@@ -76,7 +81,7 @@ def target_of(name: str, cfg: ModelConfig) -> Target | None:
         return None
     parts = name.removeprefix("model.").split(".")
     if len(parts) > 3 and parts[0] == "layers" and parts[2] == "mlp" \
-            and cfg.is_moe_layer(int(parts[1])):
+            and parts[1].isdigit() and cfg.is_moe_layer(int(parts[1])):
         rest, expert = parts[3:], None
         if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit():
             rest, expert = rest[2:], int(rest[1])
@@ -147,6 +152,103 @@ def iter_checkpoint_slices(files: list[Path]) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"unreadable safetensors file {f}: {e}") from e
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes in a model: the parameter (``pname``), its expert and
+    shard, ``dst`` (the view of the parameter's data this rank fills from it), ``shape`` (the
+    checkpoint tensor's shape in the whole model) and ``part`` (what of the tensor this rank
+    copies: ``tp_slice``, ``dp_attention_slice``; None: all of it)."""
+
+    name: str
+    pname: str
+    expert: int | None
+    shard: int | None
+    dst: torch.Tensor
+    shape: tuple[int, ...]
+    part: list[Part] | str | None
+    rank: int = 0
+
+    def check(self, tensor: Any) -> None:
+        """Raise ``ValueError`` naming the tensor unless its shape is ``shape`` and its dtype
+        floating point (a float of another dtype is cast on copy)."""
+        shape = _shape_of(tensor)
+        if shape != self.shape:
+            where = "".join(f" {k} {v}" for k, v in (("expert", self.expert),
+                                                      ("shard", self.shard)) if v is not None)
+            raise ValueError(
+                f"checkpoint tensor {self.name} has shape {list(shape)} but the model expects "
+                f"{list(self.shape)} (for {self.pname}{where})"
+            )
+        dtype = _dtype_of(tensor)
+        if dtype is not None and not _is_float(dtype):
+            raise ValueError(f"checkpoint tensor {self.name} has dtype {dtype}: weights must be "
+                             f"floating point (another float dtype is cast to the model's "
+                             f"{self.dst.dtype})")
+
+    def write(self, tensor: Any) -> None:
+        """Copy this rank's part of ``tensor`` into ``dst`` (in place)."""
+        _load_rank_part(self.dst, tensor, self.part, self.rank)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes ``write`` copies into the model."""
+        return self.dst.numel() * self.dst.element_size()
+
+
+class WeightMap:
+    """Where each checkpoint tensor (Hugging Face name) goes in ``model``: the one mapping
+    that loading (``load_weights``) and in-place updates (``model.weight_update``) share.
+    A tensor-parallel (``model.tp``) or data-parallel-attention (``model.dp``) model takes
+    its rank's part of each; ``full_cfg`` is then the whole model's config, whose shapes
+    the checkpoint has."""
+
+    def __init__(self, model: CausalLM, full_cfg: ModelConfig | None = None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.full_cfg = full_cfg or self.cfg
+        self.params = dict(model.named_parameters())
+        self.full_shapes: dict[str, tuple[int, ...]] | None = None
+        if model.tp is not None or model.dp is not None:
+            with torch.device("meta"):
+                self.full_shapes = {n: tuple(p.shape)
+                                    for n, p in CausalLM(self.full_cfg).named_parameters()}
+
+    def place(self, name: str) -> Placement | None:
+        """Where checkpoint tensor ``name`` goes; None for a tensor the model reads nowhere
+        (rotary tables, the LM head of tied embeddings: the embedding is the head). Raises
+        ``ValueError`` naming a tensor that has no place in the model."""
+        cfg, full_cfg, tp, dp = self.cfg, self.full_cfg, self.model.tp, self.model.dp
+        target = target_of(name, cfg)
+        if target is None:
+            return None
+        pname, expert, shard = target
+        if pname == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None  # tied: the embedding serves as the head
+        p = self.params.get(pname)
+        if p is None or (expert is not None and expert >= p.shape[0]):
+            # Dropping it would run a different network than the checkpoint's.
+            raise ValueError(f"checkpoint tensor {name} has no place in this model "
+                             f"({cfg.architecture}): refusing to load without it")
+        dst = p.data
+        if expert is not None:
+            dst = dst[expert]
+        if shard is not None:
+            sizes = shard_sizes(cfg, _packed(pname))
+            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+        shape = tuple(dst.shape)
+        if self.full_shapes is not None:
+            shape = self.full_shapes[pname][1:] if expert is not None else self.full_shapes[pname]
+            if shard is not None:
+                shape = (shard_sizes(full_cfg, _packed(pname))[shard], *shape[1:])
+        part, rank = None, 0
+        if tp is not None:
+            part = tp_slice(pname, shard, tp, full_cfg, cfg, stacked=expert is None)
+            rank = tp.rank
+        elif dp is not None:
+            part, rank = dp_attention_slice(pname, dp, cfg), dp.rank
+        return Placement(name, pname, expert, shard, dst, shape, part, rank)
+
+
 def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
                  full_cfg: ModelConfig | None = None) -> None:
     """Copy checkpoint tensors into the model, checking every shape; all parameters must load.
@@ -157,56 +259,22 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
     have.
     """
     cfg = model.cfg
-    tp, dp = model.tp, model.dp
-    full_cfg = full_cfg or cfg
-    params = dict(model.named_parameters())
+    weights = WeightMap(model, full_cfg)
+    params = weights.params
     pending = {n: _pieces(cfg, n, p) for n, p in params.items()}
-    full_shapes = None
-    if tp is not None or dp is not None:
-        with torch.device("meta"):
-            full_shapes = {n: tuple(p.shape) for n, p in CausalLM(full_cfg).named_parameters()}
-        for name in ("embed_tokens.weight", "lm_head.weight") if tp is not None else ():
-            if name in params:
-                params[name].data.zero_()  # the vocabulary padding rows stay zero
+    for name in ("embed_tokens.weight", "lm_head.weight") if model.tp is not None else ():
+        if name in params:
+            params[name].data.zero_()  # the vocabulary padding rows stay zero
     for name, tensor in tensors:
-        target = target_of(name, cfg)
-        if target is None:
+        place = weights.place(name)
+        if place is None:
             continue
-        pname, expert, shard = target
-        if pname == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # tied: the embedding serves as the head
-        if pname not in params:
-            # Dropping it would run a different network than the checkpoint's.
-            raise ValueError(f"checkpoint tensor {name} has no place in this model "
-                             f"({cfg.architecture}): refusing to load without it")
-        dst = params[pname].data
-        if expert is not None:
-            dst = dst[expert]
-        if shard is not None:
-            sizes = shard_sizes(cfg, _packed(pname))
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
-        expected = tuple(dst.shape)
-        if full_shapes is not None:
-            expected = full_shapes[pname][1:] if expert is not None else full_shapes[pname]
-            if shard is not None:
-                expected = (shard_sizes(full_cfg, _packed(pname))[shard], *expected[1:])
-        shape = _shape_of(tensor)
-        if shape != expected:
-            where = "".join(f" {k} {v}" for k, v in (("expert", expert), ("shard", shard))
-                            if v is not None)
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {list(shape)} but the model expects "
-                f"{list(expected)} (for {pname}{where})"
-            )
-        if tp is not None:
-            part = tp_slice(pname, shard, tp, full_cfg, cfg, stacked=expert is None)
-            _load_rank_part(dst, tensor, part, tp.rank)
-        elif dp is not None:
-            _load_rank_part(dst, tensor, dp_attention_slice(pname, dp, cfg), dp.rank)
-        else:
-            dst.copy_(_read(tensor))
-        pending[pname] = {(e, s) for e, s in pending[pname]
-                          if not ((expert is None or e == expert) and (shard is None or s == shard))}
+        place.check(tensor)
+        place.write(tensor)
+        expert, shard = place.expert, place.shard
+        pending[place.pname] = {(e, s) for e, s in pending[place.pname]
+                                if not ((expert is None or e == expert)
+                                        and (shard is None or s == shard))}
     missing = sorted(n for n, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
@@ -215,6 +283,20 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
 
 def _shape_of(tensor: Any) -> tuple[int, ...]:
     return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+
+def _dtype_of(tensor: Any) -> torch.dtype | str | None:
+    """A tensor's dtype, or a safetensors slice's (its name: ``"BF16"``); None if unknown."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype
+    get = getattr(tensor, "get_dtype", None)
+    return get() if get is not None else None
+
+
+def _is_float(dtype: torch.dtype | str) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return dtype.is_floating_point
+    return dtype.startswith(("F", "BF"))  # safetensors: F16, BF16, F32, F8_E4M3, ...
 
 
 def _read(tensor: Any, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
@@ -226,9 +308,6 @@ def _read(tensor: Any, dim: int = 0, start: int = 0, size: int | None = None) ->
     if size is not None:
         index[dim] = slice(start, start + size)
     return tensor[tuple(index)]
-
-
-Part = tuple[int, int, int]  # (dim, start, size) of a checkpoint tensor
 
 
 def tp_slice(pname: str, shard: int | None, tp: TensorParallel, full: ModelConfig,
