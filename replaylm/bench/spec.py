@@ -57,7 +57,7 @@ from replaylm.bench.decode import random_prompts
 from replaylm.bench.observer import StepObserver, observing
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
-from replaylm.speculative.drafter import DraftRequest
+from replaylm.speculative.protocol import DraftRequest
 from replaylm.speculative.stats import SpecStats
 
 PARTS = ("verify", "acceptance", "ngram", "draft")
