@@ -49,11 +49,11 @@ from replaylm.bench.common import (
     draw,
     int_list,
     png_path,
+    random_prompts,
     release_memory,
     resolve_model_defaults,
     write_json,
 )
-from replaylm.bench.decode import random_prompts
 from replaylm.bench.observer import StepObserver, observing
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
