@@ -63,6 +63,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 4) if values else None
 
 
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``n`` different token-id prompts drawn from a seeded RNG, independent of the device."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
+
+
 def int_list(text: str) -> list[int]:
     """``"1,4,16"`` -> ``[1, 4, 16]`` (argparse type; every value >= 1)."""
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -38,17 +37,16 @@ from replaylm.bench.common import (
     parse_modes,
     percentile,
     png_path,
+    random_prompts,
     resolve_model_defaults,
     write_json,
 )
+from replaylm.bench.decode_profile import profile_row
+from replaylm.bench.floor import floor_ms, graph_nodes_of, weight_bytes_of
 from replaylm.bench.observer import StepClock, observing
+from replaylm.bench.peer_hf import HF_MODES, format_peers, parse_hf_modes, ratios, run_hf_peer
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
-
-# Measured on the H200 (docs/benchmarks.md): device-to-device copy bandwidth and the replay
-# cost of one graph node.
-COPY_BANDWIDTH_BYTES_S = 4.23e12
-GRAPH_NODE_S = 1e-6
 
 
 @dataclasses.dataclass
@@ -76,12 +74,6 @@ class DecodeRow:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``n`` different token-id prompts drawn from a seeded RNG, independent of the device."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
 
 
 def prompt_seed(seed: int, batch: int, repeat: int | None) -> int:
@@ -130,33 +122,6 @@ def _timed_runs(llm: Any, prompts: Callable[[int], list[list[int]]], params: Sam
         runs.append((wall, generated, clock.intervals_ms()))
     wall, generated, steps = min(runs, key=lambda r: r[0])
     return [r[0] for r in runs], wall, generated, steps
-
-
-def weight_bytes_of(llm: Any) -> int:
-    """Weight bytes one token of the loaded model reads (all of them for a dense model);
-    ``weight_bytes`` may be an int or a method of dtype."""
-    wb = llm.model_config.weight_bytes
-    if callable(wb):
-        dtype = getattr(llm, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.bfloat16 if llm.device.type == "cuda" else torch.float32
-        wb = wb(dtype, active=True)
-    return int(wb)
-
-
-def graph_nodes_of(llm: Any) -> int | None:
-    """Nodes of the graph that served the most steps so far (piecewise: all its links)."""
-    g = llm.graph_stats()
-    if not g["hits"]:
-        return None
-    key = max(g["hits"], key=g["hits"].get)
-    return g["nodes"].get(key)
-
-
-def floor_ms(weight_bytes: int, graph_nodes: int | None) -> float:
-    """Floor for one graphed batch-1 step: every weight read once, plus node replay cost."""
-    seconds = weight_bytes / COPY_BANDWIDTH_BYTES_S + (graph_nodes or 0) * GRAPH_NODE_S
-    return seconds * 1e3
 
 
 def _mode_of(llm: Any) -> str:
@@ -254,8 +219,10 @@ def run_decode_bench(
             row.graphs = llm.graph_stats()
             row.padding_share = padding_between(before, row.graphs)
             if profile_dir is not None:
-                row.profile = _profile_row(llm, row, profile_dir, prompt_len if bs == 1
-                                           else batched_prompt_len, seed, log)
+                length = prompt_len if bs == 1 else batched_prompt_len
+                prompts = random_prompts(bs, length, _vocab_of(llm), prompt_seed(seed, bs, 0))
+                row.profile = profile_row(llm, row.mode, bs, prompts,
+                                          greedy_params(row.new_tokens), profile_dir, log)
             rows.append(row)
     if profile_dir is not None:
         draw([("step_timeline", (tls, f"{profile_dir}/timeline_b{bs}.png",
@@ -272,34 +239,6 @@ def _timelines_by_batch(rows: list[DecodeRow]) -> dict[int, list[dict[str, Any]]
         if tl and tl["spans"]:
             out.setdefault(r.batch, []).append(tl)
     return out
-
-
-def _profile_row(llm: Any, row: DecodeRow, out_dir: str, prompt_len: int, seed: int,
-                 log: Any) -> dict[str, Any]:
-    from pathlib import Path
-
-    from replaylm.bench.profile import format_summary, profile_run
-
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    stem = f"{out_dir}/{row.mode}_b{row.batch}"
-    prompts = random_prompts(row.batch, prompt_len, _vocab_of(llm),
-                             prompt_seed(seed, row.batch, 0))
-    result = profile_run(llm, prompts, greedy_params(row.new_tokens),
-                         trace_path=f"{stem}.trace.json")
-    with open(f"{stem}.steps.json", "w") as f:
-        json.dump(result, f, indent=1)
-    log(format_summary(f"mode={row.mode} batch={row.batch}", result["summary"],
-                       result.get("trace_gpu_busy_share")))
-    for name, us, launches in result.get("top_kernels_us_per_token", [])[:10]:
-        log(f"[profile]   {us:8.2f} us/token  {launches:6.2f}x  {name}")
-    for name, us, launches in result.get("chain_share_us_per_token", [])[:10]:
-        log(f"[profile]   adds {us:8.2f} us/token  {launches:6.2f}x  {name}")
-    tl = result.get("timeline")
-    if tl:
-        log(f"[profile]   one step: {tl['kernels']} {'kernels' if tl['source'] == 'device' else 'host ops'} "
-            f"in {tl['window_us']:.1f} us, gaps {100 * tl['gap_share']:.1f}%")
-    return {"summary": result["summary"], "trace": result.get("trace"),
-            "trace_gpu_busy_share": result.get("trace_gpu_busy_share"), "timeline": tl}
 
 
 def format_table(rows: list[DecodeRow]) -> str:
@@ -329,8 +268,6 @@ def format_table(rows: list[DecodeRow]) -> str:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Benchmark flags plus every engine flag. ``--load-format`` defaults to dummy for named
     shapes (and the built-in default) and to auto for a model directory."""
-    from replaylm.bench.peer_hf import HF_MODES
-
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 256],
                         help="comma-separated batch sizes (default: 1,256)")
     parser.add_argument("--prompt-len", type=int, default=32,
@@ -365,8 +302,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry point of ``replaylm bench decode``."""
-    from replaylm.bench.peer_hf import format_peers, parse_hf_modes, ratios, run_hf_peer
-
     resolve_model_defaults(ns)
     if max(ns.batch_sizes) > ns.max_num_seqs:
         ns.max_num_seqs = max(ns.batch_sizes)

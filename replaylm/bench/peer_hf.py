@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from replaylm.bench.common import random_prompts
 from replaylm.config import EngineArgs
 
 HF_MODES = ("generate", "static_compile", "generate_batch")
@@ -117,8 +118,6 @@ def _runner(model: Any, mode: str, prompts: list[list[int]], new_tokens: int
 def bench_hf(model: Any, mode: str, batch: int, prompt_len: int, new_tokens: int,
              repeats: int, seed: int) -> PeerRow:
     """One (mode, batch) row with ``bench decode``'s prompts and protocol."""
-    from replaylm.bench.decode import random_prompts
-
     row = PeerRow("hf", mode, batch, prompt_len, new_tokens)
     if mode == "generate_batch" and not hasattr(model, "generate_batch"):
         row.error = "this transformers has no generate_batch"

@@ -62,7 +62,7 @@ def measure_start(args: EngineArgs, launched_at: float) -> dict[str, Any]:
     import torch
 
     from replaylm import LLM, SamplingParams
-    from replaylm.bench.decode import weight_bytes_of
+    from replaylm.bench.floor import weight_bytes_of
     from replaylm.engine.runner_setup import resolve_device
     from replaylm.kernels import jit_clock
 

@@ -25,7 +25,7 @@ from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.adaptive import AdaptiveBudget
-from replaylm.speculative.drafter import Drafter
+from replaylm.speculative.protocol import Drafter
 from replaylm.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.request import Request
 from replaylm.speculative.adaptive import AdaptiveBudget, eager_tiers
 from replaylm.speculative.config import SpecConfig
-from replaylm.speculative.drafter import Drafter, make_drafter
+from replaylm.speculative.drafter import make_drafter
+from replaylm.speculative.protocol import Drafter
 from replaylm.speculative.stats import SpecStats
 
 

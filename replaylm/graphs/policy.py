@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from replaylm.graphs.tiers import (
     default_decode_tiers,
     default_token_tiers,
-    parse_graph_tiers,
     round_up,
     verify_token_tiers,
 )
+from replaylm.graphs.tiers_setting import parse_graph_tiers
 
 log = logging.getLogger(__name__)
 

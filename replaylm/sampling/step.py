@@ -57,7 +57,7 @@ class SampleRows:
     sampled tokens) to the tokens the step keeps: a drafter whose proposals carry a
     distribution replaces its draft rows' samples by its rejection sampling
     (``engine.draft_model``), and a benchmark drafter imposes which drafts are accepted
-    (``bench.spec.ControlledDrafter``).
+    (``bench.spec_drafters.ControlledDrafter``).
     """
 
     logits: torch.Tensor

@@ -1,30 +1,14 @@
-"""The drafter interface: ``propose(requests) -> per-request draft tokens``."""
+"""The drafter a ``speculative_config`` asks for (:func:`make_drafter`); the interface every
+drafter meets is ``speculative.protocol.Drafter``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
 from replaylm.speculative.config import SpecConfig
-
-
-class DraftRequest(Protocol):
-    """What a drafter reads of a request: its known tokens (prompt + output)."""
-
-    @property
-    def all_token_ids(self) -> list[int]: ...
-
-
-class Drafter(Protocol):
-    def propose(self, requests: Sequence[DraftRequest], max_lens: Sequence[int]
-                ) -> list[list[int]]:
-        """Up to ``max_lens[i]`` draft tokens continuing ``requests[i]`` (possibly none)."""
-        ...
+from replaylm.speculative.ngram import NgramDrafter
+from replaylm.speculative.protocol import Drafter
 
 
 def make_drafter(cfg: SpecConfig) -> Drafter:
     if cfg.method == "ngram":
-        from replaylm.speculative.ngram import NgramDrafter
-
         return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
     raise ValueError(f"no drafter for method {cfg.method!r}")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 from weakref import WeakKeyDictionary
 
-from replaylm.speculative.drafter import DraftRequest
+from replaylm.speculative.protocol import DraftRequest
 
 
 class NgramIndex:

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replaylm.bench.spec import ControlledDrafter, Options, engine_plan
+from replaylm.bench.spec_drafters import ControlledDrafter
+from replaylm.bench.spec_plan import Options, engine_plan
 from replaylm.cli.main import main
 from tests.bench.png import assert_png
 

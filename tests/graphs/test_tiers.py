@@ -14,14 +14,11 @@ from hypothesis import strategies as st
 from replaylm.graphs.tiers import (
     default_decode_tiers,
     default_token_tiers,
-    expected_waste,
-    load_trace,
-    outside_share,
-    parse_graph_tiers,
     round_up,
-    tiers_from_trace,
     validate_tiers,
 )
+from replaylm.graphs.tiers_fit import expected_waste, load_trace, outside_share, tiers_from_trace
+from replaylm.graphs.tiers_setting import parse_graph_tiers
 
 # --------------------------------------------------------------------------- helpers
 

@@ -7,14 +7,9 @@ import json
 
 import pytest
 
-from replaylm.graphs.tiers import (
-    expected_waste,
-    outside_share,
-    parse_graph_tiers,
-    round_up,
-    tiers_from_trace,
-    validate_tiers,
-)
+from replaylm.graphs.tiers import round_up, validate_tiers
+from replaylm.graphs.tiers_fit import expected_waste, outside_share, tiers_from_trace
+from replaylm.graphs.tiers_setting import parse_graph_tiers
 
 
 def test_a_trace_of_steps_at_the_cap_alone() -> None:

@@ -155,7 +155,7 @@ def test_named_moe_shapes_have_the_published_sizes(name, total, active, arch):
 def test_batch_1_floor_counts_the_bytes_one_token_reads():
     from types import SimpleNamespace
 
-    from replaylm.bench.decode import weight_bytes_of
+    from replaylm.bench.floor import weight_bytes_of
 
     dense, _ = load_model_config("llama3.2-1b")
     moe, _ = load_model_config("qwen1.5-moe-a2.7b")

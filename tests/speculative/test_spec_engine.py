@@ -224,7 +224,7 @@ def test_adaptive_budget_keeps_verifying_across_requests(qwen3_dir, monkeypatch)
     """A prefill step and a request's last token leave the chooser nothing to decide, so
     they must not start coasting: at batch 1 every new request would otherwise decode
     plainly until shadow evidence ended the stretch."""
-    from replaylm.bench.spec import ControlledDrafter
+    from replaylm.bench.spec_drafters import ControlledDrafter
 
     llm = _engine(qwen3_dir, "eager", NGRAM | {"budget": "adaptive"})
     core, budget = llm.engine, llm.engine.budget

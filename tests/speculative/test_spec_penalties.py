@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from replaylm import SamplingParams
-from replaylm.bench.spec import ControlledDrafter
+from replaylm.bench.spec_drafters import ControlledDrafter
 from tests.speculative.test_spec_engine import NGRAM, _engine, _traffic
 
 PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.6),
