@@ -1,14 +1,7 @@
 """Graph policy: every graph-relevant decision in one place.
 
-The modes are the known graph strategies, as switchable policies:
-
-| mode | captured | keyed by | serves with graphs |
-| --- | --- | --- | --- |
-| ``eager`` | nothing | – | – |
-| ``full`` | the whole model per batch-size tier | requests (q_len 1 each) | uniform decode |
-| ``piecewise`` | the dense links between attention calls; attention runs eagerly | total tokens | any batch up to the top tier |
-| ``full_and_piecewise`` | both | the dispatcher picks | decode full, the rest piecewise |
-| ``ragged`` | the whole model per total-token tier, ``min(tier, S)`` request slots | total tokens | decode, verify, small mixed prefill |
+The modes (``GRAPH_MODES``) are the known graph strategies, as switchable policies; what each
+captures and which steps it serves with graphs is the table in ``docs/graphs.md``.
 
 This module decides, from the settings, which mode runs, which tiers are captured, which
 attention backend a mode can capture and how far the rotary work moves into attention; per
