@@ -30,9 +30,9 @@ from replaylm.engine.step_input import (
     prompt_plan,
     sent_to_group,
 )
+from replaylm.graphs.audit import AuditReport
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
-from replaylm.graphs.audit import AuditReport
 from replaylm.kernels import compile_plan
 from replaylm.memory.arena import Arena, Region, adopt_parameters
 from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
