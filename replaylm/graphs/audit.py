@@ -7,7 +7,8 @@ offset and size of parameter i) and reads each parameter's bytes from the node's
 ``kernelParams`` (a host array of pointers to the values). Every 8-byte word aligned in the
 parameter buffer is a candidate address (pointers sit at 8-byte offsets, also inside struct
 parameters). A word is checked when it falls inside memory the engine knows (``AddressBook``):
-an arena region's reserved range (``memory.arena``), or a segment of torch's caching
+an arena region's reserved range (``memory.arena``; every chunk of the region must be
+mapped, as a tensor may span them from a pointer into any one), or a segment of torch's caching
 allocator seen when the graphs were captured. It must lie in memory that is mapped or
 allocated now: a word inside an arena region's unmapped chunk, or inside a torch segment
 that has since been released, is a dangling pointer, and the audit raises
@@ -95,11 +96,14 @@ class AddressBook:
         if self.arena is not None:
             hit = self.arena.locate(addr)
             if hit is not None:
+                # A tensor may span the region's chunks from a pointer into any one of them:
+                # the whole region must be mapped.
                 region, i, chunk = hit
-                if chunk.mapped:
+                gone = [j for j, c in enumerate(region.chunks) if not c.mapped]
+                if not gone:
                     return True, None
-                return True, (f"arena region {region.name!r} chunk {i} "
-                              f"[{chunk.ptr:#x}, {chunk.ptr + chunk.size:#x}) is unmapped")
+                return True, (f"arena region {region.name!r} (pointer in chunk {i} at "
+                              f"{chunk.ptr:#x}) whose chunks {gone} are unmapped")
         if self._inside(addr, self.known, self._known_starts):
             if self._inside(addr, self.live, self._live_starts):
                 return True, None
