@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from replaylm.memory.arena import Arena
+from replaylm.memory.vmm import as_int, succeeded
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ def audit_graphs(graphs: Iterable[Any], book: AddressBook) -> AuditReport:
 
 
 def _ok(out: Any) -> bool:
-    status = out[0] if isinstance(out, tuple) else out
-    return int(status) == 0
+    return succeeded(out[0] if isinstance(out, tuple) else out)
 
 
 def _graph_handle(drv: Any, g: Any) -> Any:
@@ -175,7 +175,7 @@ def _audit_one(drv: Any, g: Any, book: AddressBook, totals: dict) -> None:
     kernel_type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
     for n, node in enumerate(out[1][:count]):
         kind = drv.cuGraphNodeGetType(node)
-        if not _ok(kind) or int(kind[1]) != int(kernel_type):
+        if not _ok(kind) or as_int(kind[1]) != as_int(kernel_type):
             continue
         totals["kernels"] += 1
         got = drv.cuGraphKernelNodeGetParams(node)

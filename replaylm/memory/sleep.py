@@ -107,7 +107,7 @@ class Sleeper:
             r.remap()
             mapped += r.size
         for r in self.weights:
-            host = self._backup.pop(r.name, None)
+            host = self._backup.get(r.name)  # kept until the copies are done (below)
             if host is not None:
                 r.bytes[:r.nbytes].copy_(host, non_blocking=host.is_pinned())
                 restored += r.nbytes

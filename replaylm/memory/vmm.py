@@ -35,18 +35,30 @@ def _call(name: str, *args: Any) -> Any:
     drv = driver()
     out = getattr(drv, name)(*args)
     status, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
-    if int(status) != int(drv.CUresult.CUDA_SUCCESS):
+    if not succeeded(status):
         raise VMMError(f"{name} failed: {error_text(status)}")
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
 
 
+def as_int(value: Any) -> int:
+    """A driver enum or handle as an int (``int()``, else its ``value``)."""
+    try:
+        return int(value)
+    except TypeError:
+        return int(value.value)
+
+
+def succeeded(status: Any) -> bool:
+    return as_int(status) == 0  # CUDA_SUCCESS
+
+
 def error_text(status: Any) -> str:
     drv = driver()
     try:
         err, text = drv.cuGetErrorString(status)
-        if int(err) == 0 and text:
+        if succeeded(err) and text:
             return f"{status!r} ({text.decode() if isinstance(text, bytes) else text})"
     except Exception:  # an error description is a courtesy
         pass
