@@ -146,3 +146,22 @@ def test_sleep_needs_sleep_mode_an_idle_engine_and_a_valid_level(ckpts):
     assert not llm.is_sleeping()
     llm.engine.abort("busy")
     assert llm.reset_prefix_cache() == 0
+
+
+def test_data_parallel_ranks_sleep_and_wake_through_the_driver(ckpts):
+    """``MultiProcessEngine``: every rank sleeps and wakes (worker messages), the driver
+    refuses requests meanwhile, and the outputs come back the same."""
+    a, _, _ = ckpts
+    with LLM(str(a), data_parallel_size=2, **_kw("eager")) as llm:
+        before = _tokens(llm)
+        report = llm.sleep(1)
+        assert llm.is_sleeping() and report.backup_bytes > 0
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.engine.add_request("x", PROMPTS[1], GREEDY)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.update_weights(str(a))
+        llm.wake_up()
+        with pytest.raises(RuntimeError, match="not asleep"):
+            llm.wake_up()
+        assert _tokens(llm) == before
+        assert llm.audit_graphs().graphs == 0  # eager: nothing captured
