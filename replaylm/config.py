@@ -96,6 +96,9 @@ _HELP: dict[str, str] = {
     "data_parallel_size >= 2 and tensor_parallel_size 1",
     "distributed_timeout_s": "seconds the driver waits for a worker (start-up and every "
     "step) before it raises naming the rank; also the ranks' collective timeout",
+    "enable_sleep_mode": "keep the weights and the KV pool in address-stable memory (CUDA "
+    "virtual memory management), so LLM.sleep() can free it and wake_up() map it back without "
+    "recapturing graphs",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -148,6 +151,7 @@ class EngineArgs:
     all_reduce_backend: str = "auto"
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
+    enable_sleep_mode: bool = False
 
     @functools.cached_property
     def spec(self) -> SpecConfig | None:

@@ -37,6 +37,8 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
+from replaylm.graphs.audit import AuditReport, GraphAuditError
+from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.model.weight_update import Source, WeightUpdate, wire_source
 from replaylm.sampling_params import SamplingParams
@@ -92,6 +94,7 @@ class MultiProcessEngine(RequestChecks):
         self.load = [0] * self.size  # tokens of each rank's running + waiting requests
         self.busy = [False] * self.size  # whether each rank has unfinished work
         self.owner: dict[str, list[int]] = {}  # request id -> [rank, siblings unfinished]
+        self.sleep_level = 0  # 0: awake (``sleep``)
 
     def _start_workers(self) -> list[dict]:
         """Start one worker process per rank on this host; each one's start-up reply."""
@@ -131,6 +134,8 @@ class MultiProcessEngine(RequestChecks):
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> AddedRequest:
         params = params or SamplingParams()
+        if self.is_sleeping():
+            raise RuntimeError("add_request: the engine is asleep: call wake_up() first")
         try:
             if request_id in self.owner:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -197,12 +202,66 @@ class MultiProcessEngine(RequestChecks):
         t0 = perf_counter()
         payload = wire_source(source)
         first = None
-        for g in self.leaders:
-            status, value = self._call(g, "update_weights", payload, target)
-            if status == "invalid":
-                raise ValueError(value)
+        if self.is_sleeping():
+            raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
+        for value in self._each_leader("update_weights", payload, target):
             first = first or value
         return dataclasses.replace(first, seconds=perf_counter() - t0)
+
+    # Sleep and wake, the graph audit ----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> SleepReport:
+        """Every rank sleeps (``EngineCore.sleep``; each leader hands it to its tensor-parallel
+        followers). Returns rank 0's report with ``freed_bytes``, ``released_bytes`` and
+        ``backup_bytes`` summed over the data-parallel leaders, and the whole call's seconds."""
+        if self.has_unfinished():
+            raise RuntimeError("sleep needs an idle engine: requests are unfinished (finish or "
+                               "abort them first)")
+        t0 = perf_counter()
+        reports = self._each_leader("sleep", level)
+        self.sleep_level = level
+        first = reports[0]
+        return dataclasses.replace(
+            first, freed_bytes=sum(r.freed_bytes for r in reports),
+            released_bytes=sum(r.released_bytes for r in reports),
+            backup_bytes=sum(r.backup_bytes for r in reports), seconds=perf_counter() - t0)
+
+    def wake_up(self) -> WakeReport:
+        """Every rank wakes (``EngineCore.wake_up``); rank 0's report, the call's seconds."""
+        t0 = perf_counter()
+        reports = self._each_leader("wake_up")
+        self.sleep_level = 0
+        return dataclasses.replace(reports[0], seconds=perf_counter() - t0)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def audit_graphs(self) -> AuditReport:
+        """Every data-parallel leader audits its graphs; the counts summed, the seconds of
+        the whole call."""
+        t0 = perf_counter()
+        reports = self._each_leader("audit_graphs")
+        total = {k: sum(getattr(r, k) for r in reports)
+                 for k in ("graphs", "kernels", "params", "words", "pointers", "unreadable")}
+        return AuditReport(**total, seconds=perf_counter() - t0)
+
+    def reset_prefix_cache(self) -> int:
+        return sum(self._each_leader("reset_prefix_cache"))
+
+    def _each_leader(self, op: str, *args) -> list:
+        """``op`` on every data-parallel leader in turn; a refusal raises as the rank raised
+        it (``ValueError``, ``RuntimeError`` or ``GraphAuditError``)."""
+        out = []
+        for g in self.leaders:
+            status, value = self._call(g, op, *args)
+            if status == "invalid":
+                raise ValueError(value)
+            if status == "refused":
+                kind, message = value
+                raise (GraphAuditError if kind == "GraphAuditError" else RuntimeError)(
+                    f"rank {g}: {message}")
+            out.append(value)
+        return out
 
     # Statistics ----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ the tier agreement, so every data-parallel rank steps in lockstep.
 
 The leader's runner sends each step to its followers in one message over a pipe
 (``("step", StepInput)``, ``("idle",)``, ``("stop",)``, and after an in-place weight update
-it checked, ``("update_weights", source)``); a follower runs the same step on its
+it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``
+after the leader's own); a follower runs the same step on its
 shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
@@ -169,6 +170,10 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             runner.idle(agree)
         elif op == "update_weights":  # the leader checked it: the same checks pass here
             runner.update_weights(from_wire(rest[0]))
+        elif op == "sleep":  # the leader's shard slept: this one follows
+            runner.sleep(rest[0])
+        elif op == "wake_up":
+            runner.wake_up()
         else:
             return
 
@@ -203,7 +208,19 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
             result = core.update_weights(from_wire(payload), target)
         except ValueError as e:
             return "invalid", str(e)
+        except RuntimeError as e:  # asleep, or the graph audit after the update
+            return "refused", (type(e).__name__, str(e))
         if target == "model" and core.runner.broadcast is not None:
             core.runner.broadcast(("update_weights", payload))  # the followers' shards
+        return "ok", result
+    if op in ("sleep", "wake_up", "audit_graphs", "reset_prefix_cache"):
+        try:
+            result = getattr(core, op)(*args)
+        except ValueError as e:
+            return "invalid", str(e)
+        except RuntimeError as e:  # asleep or awake already, or a graph audit's finding
+            return "refused", (type(e).__name__, str(e))
+        if op in ("sleep", "wake_up") and core.runner.broadcast is not None:
+            core.runner.broadcast((op, *args))  # the followers' shards
         return "ok", result
     raise ValueError(f"unknown worker message {op!r}")

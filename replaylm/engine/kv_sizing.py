@@ -10,6 +10,7 @@ import torch
 
 from replaylm.batch import BLOCK_SIZE, AttentionMetadata
 from replaylm.graphs.runtime import GraphRuntime
+from replaylm.memory.arena import Arena
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,15 @@ class KVSizing:
     def block_bytes(self) -> int:
         return self.cfg.kv_bytes_per_token(self.dtype) * BLOCK_SIZE
 
-    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv(self, num_blocks: int, arena: Arena | None = None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The KV pool, zeroed; with ``arena`` (sleep mode) in its region ``kv``."""
         shape = (self.cfg.num_layers, 2, num_blocks, BLOCK_SIZE, self.cfg.num_kv_heads,
                  self.cfg.head_dim)
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if arena is not None:
+            pool = arena.zeros("kv", shape, self.dtype)
+        else:
+            pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(pool[i, 0], pool[i, 1]) for i in range(self.cfg.num_layers)]
 
     def _decide_num_blocks(self) -> int:

@@ -30,9 +30,12 @@ from replaylm.engine.step_input import (
     prompt_plan,
     sent_to_group,
 )
+from replaylm.graphs.audit import AuditReport
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
+from replaylm.memory.arena import Arena, Region, adopt_parameters
+from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -89,6 +92,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self.pdl = self._configure_pdl()
         self._load(model_dir)
+        self.arena, weights = self._adopt_weights()
         self.compile_plan = self._compile_ahead()
         self.all_reduce_report = self._configure_all_reduce()
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
@@ -97,7 +101,9 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.num_blocks = self._decide_num_blocks()
         if tp is not None:  # the leader's block ids index every rank's pool
             self.num_blocks = tp.min_int(self.num_blocks)
-        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.kv_caches = self._allocate_kv(self.num_blocks, self.arena)
+        self.sleeper = (Sleeper(self.arena, [weights], [self.arena.regions["kv"]])
+                        if self.arena is not None else None)
         self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self._warm_sampler()
         self._start_graphs()
@@ -147,6 +153,17 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.model.rope_in_attention_max_reqs = (
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
+
+    def _adopt_weights(self) -> tuple[Arena | None, Region | None]:
+        """Sleep mode: move the weights into an arena region (before anything captures
+        their addresses); the KV pool joins it when allocated."""
+        if not self.args.enable_sleep_mode:
+            return None, None
+        arena = Arena(self.device)
+        region = adopt_parameters(self.model, arena, "weights")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the weights' old blocks: the KV sizing reads free memory
+        return arena, region
 
     def _start_graphs(self) -> None:
         """Bind the model to its KV pool, build the graph runtime and capture its graphs."""
@@ -281,6 +298,28 @@ class ModelRunner(RunnerStartup, KVSizing):
     def update_weights(self, source: Source) -> WeightUpdate:
         """Copy new weights into this runner's model in place (``model.weight_update``)."""
         return update_weights(self.model, source, self.full_cfg)
+
+    def sleep(self, level: int) -> SleepReport:
+        """Release the weights' (level 1: kept on the host) and the KV pool's memory
+        (``memory.sleep``); needs ``enable_sleep_mode``."""
+        if self.sleeper is None:
+            raise ValueError("sleep needs EngineArgs.enable_sleep_mode=True (the weights and "
+                             "the KV pool must live in address-stable memory)")
+        return self.sleeper.sleep(level)
+
+    def wake_up(self) -> WakeReport:
+        """Map the memory back at the same addresses (``memory.sleep``)."""
+        if self.sleeper is None:
+            raise ValueError("wake_up needs EngineArgs.enable_sleep_mode=True")
+        return self.sleeper.wake()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeper is not None and self.sleeper.asleep
+
+    def audit_graphs(self) -> AuditReport:
+        """The pointer audit of every captured graph (``graphs.audit``)."""
+        return self.graphs.audit(self.arena)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled

@@ -14,6 +14,8 @@ from replaylm.config import EngineArgs
 from replaylm.engine.observer import StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
+from replaylm.graphs.audit import AuditReport
+from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.config import ModelConfig
 from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
@@ -37,7 +39,9 @@ class Engine(Protocol):
     (``RequestDelta``s); ``stats`` are exact counters (they may ask worker processes),
     ``live_stats`` the same counters as another thread may read them without a message to
     any worker. ``update_weights`` copies new weights into the model's buffers in place
-    (``model.weight_update``). ``shutdown()`` ends whatever processes the engine holds (idempotent).
+    (``model.weight_update``); ``sleep``/``wake_up`` free and map back the memory of the
+    weights and the KV pool at the same addresses (``memory.sleep``), ``audit_graphs`` checks
+    the captured graphs' addresses (``graphs.audit``). ``shutdown()`` ends whatever processes the engine holds (idempotent).
     """
 
     args: EngineArgs
@@ -75,5 +79,15 @@ class Engine(Protocol):
     def graph_stats(self) -> dict: ...
 
     def update_weights(self, source: Source, target: str = "model") -> WeightUpdate: ...
+
+    def sleep(self, level: int = 1) -> SleepReport: ...
+
+    def wake_up(self) -> WakeReport: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def audit_graphs(self) -> AuditReport: ...
+
+    def reset_prefix_cache(self) -> int: ...
 
     def shutdown(self) -> None: ...

@@ -13,6 +13,8 @@ from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.engine.protocol import Engine
 from replaylm.engine.stats import EngineStats
 from replaylm.entrypoints.factory import make_engine
+from replaylm.graphs.audit import AuditReport
+from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
 
@@ -98,6 +100,34 @@ class LLM:
         seconds it took (``WeightUpdate``)."""
         return self.engine.update_weights(source, target=target)
 
+    def sleep(self, level: int = 1) -> SleepReport:
+        """Free the device memory of the weights and the KV pool, keeping their addresses
+        (needs ``enable_sleep_mode=True`` and no request running). ``level=1``: the weights
+        are copied to host memory first and ``wake_up`` restores them; ``level=2``: they are
+        discarded (call ``update_weights`` after ``wake_up``). The prefix cache is dropped.
+        Until ``wake_up``, ``generate`` and ``add_request`` raise ``RuntimeError``. Returns
+        the bytes the device reports freed (``freed_bytes``) and what was released."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> WakeReport:
+        """Map device memory back at the same addresses: the captured graphs replay
+        unchanged (never recaptured); level 1's weights come back, the KV pool starts empty.
+        With ``graph_check`` on, the graphs are audited first (``audit_graphs``)."""
+        return self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def audit_graphs(self) -> AuditReport:
+        """Read every kernel parameter of every captured CUDA graph and check that each
+        address inside the engine's memory lies in memory mapped or allocated now; raises
+        ``GraphAuditError`` naming the mode, tier, kernel and parameter of a dangling one."""
+        return self.engine.audit_graphs()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block; returns the blocks freed."""
+        return self.engine.reset_prefix_cache()
+
     def chat(
         self,
         messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
@@ -138,6 +168,8 @@ class LLM:
         Every prompt is validated before any is queued, so one bad prompt raises
         ``ValueError`` without leaving the others half-run.
         """
+        if self.engine.is_sleeping():
+            raise RuntimeError("generate: the engine is asleep: call wake_up() first")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         token_ids = [self.engine.tokenize(p) for p in prompt_list]

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from replaylm.batch import ForwardBatch, HostBatch, set_host_lengths, to_device
+from replaylm.graphs.audit import AddressBook, AuditReport, audit_graphs, torch_segments
 from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.graph import Graph
 from replaylm.graphs.piecewise import PiecewiseGraphs
@@ -126,6 +127,8 @@ class GraphRuntime:
                       if policy.uses_whole else None)
         self.piecewise = (PiecewiseGraphs(model, self.buffers, top, host_attn_lengths)
                           if policy.uses_piecewise else None)
+        # The torch allocator's segments right after capture: what the pointer audit knows.
+        self.capture_segments: list[tuple[int, int]] = []
 
     @staticmethod
     def estimate_static_bytes(policy: GraphPolicy, *, vocab_size: int, q_size: int,
@@ -178,6 +181,7 @@ class GraphRuntime:
                 self.stats.streams[f"{mode}:{tier}"] = 1 + (forks > 0)  # one side stream
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.capture_segments = torch_segments(self.device)
         s = self.stats
         s.capture_seconds = time.perf_counter() - start
         s.num_graphs = (len(self.whole.graphs) if self.whole else 0) + (
@@ -185,6 +189,20 @@ class GraphRuntime:
         s.graph_mib = (_reserved(self.device) - before) / 2**20
         log.info("captured %d graphs (modes %s) in %.2f s, %.1f MiB", s.num_graphs,
                  ",".join(sorted({m for m, _ in jobs})), s.capture_seconds, s.graph_mib)
+
+    def captured(self) -> list[Graph]:
+        """Every captured graph (whole-model graphs, then each tier's links)."""
+        out = list(self.whole.graphs.values()) if self.whole else []
+        if self.piecewise:
+            out += [g for links in self.piecewise.links.values() for g in links]
+        return out
+
+    def audit(self, arena=None) -> AuditReport:
+        """The pointer audit of every captured graph (``graphs.audit``): raises
+        ``GraphAuditError`` if one holds an address of unmapped or freed memory; ``arena``:
+        the engine's address-stable regions (``memory.arena``), if any."""
+        live = torch_segments(self.device) if self.device.type == "cuda" else []
+        return audit_graphs(self.captured(), AddressBook(arena, self.capture_segments, live))
 
     # Steps -------------------------------------------------------------------------------
 

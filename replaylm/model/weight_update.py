@@ -47,11 +47,13 @@ class WeightUpdate:
     """What one ``update_weights`` call copied: checkpoint ``tensors`` written (those the
     model reads nowhere, as a tied LM head, are not counted), their ``bytes`` as given (the
     whole checkpoint tensors; a tensor-parallel rank copies its part of each), and the
-    call's wall ``seconds``."""
+    call's wall ``seconds``; ``audit``: the graph audit's summary when ``graph_check`` ran
+    one after the update."""
 
     tensors: int
     bytes: int
     seconds: float
+    audit: dict | None = None
 
 
 @torch.no_grad()

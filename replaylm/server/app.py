@@ -67,10 +67,12 @@ def logprobs_supported() -> bool:
 
 def build_app(core: Engine, max_queue: int = 1024,
               served_model_name: str | None = None,
-              max_request_bytes: int = 8 * 2**20) -> FastAPI:
+              max_request_bytes: int = 8 * 2**20, admin_api_key: str | None = None,
+              admin_drain_timeout: float = 30.0) -> FastAPI:
     """An app serving ``core`` (one engine, or the driver of data- and tensor-parallel
     workers); its engine loop starts and stops with the app's lifespan. Request bodies above
-    ``max_request_bytes`` are answered 413."""
+    ``max_request_bytes`` are answered 413. ``admin_api_key``: serve the admin routes
+    (``server.admin``) to holders of this bearer token."""
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
     # Read at scrape time on the event loop's thread: a driver's live view, never its pipes.
@@ -184,7 +186,8 @@ def build_app(core: Engine, max_queue: int = 1024,
                            f"the server holds at most {engine.max_queue} at once: lower {field}",
                            param=field)
         if not engine.admit(k):
-            why = ("the engine failed" if engine.fault is not None
+            why = (engine.paused if engine.paused is not None
+                   else "the engine failed" if engine.fault is not None
                    else "shutting down" if not engine.accepting
                    else f"queue full ({engine.max_queue})")
             raise APIError(f"server busy: {why}; retry later", status=503, type_="server_error",
@@ -244,5 +247,10 @@ def build_app(core: Engine, max_queue: int = 1024,
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    if admin_api_key:
+        from replaylm.server.admin import add_admin_routes
+
+        add_admin_routes(app, engine, metrics, admin_api_key, admin_drain_timeout)
 
     return app

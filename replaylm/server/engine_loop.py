@@ -82,6 +82,9 @@ class EngineLoop:
         self.max_queue = max_queue
         self.metrics = metrics
         self.accepting = True
+        # Why admission is paused (an admin action, or the engine sleeps), or None: new
+        # requests get 503 meanwhile (``server.admin``).
+        self.paused: str | None = None
         self.in_flight = 0  # event-loop thread only
         self.fault: str | None = None  # set once step() raised: the engine is unusable
         self._cancelled: str | None = None  # set by cancel_all: adds are refused from then on
@@ -102,7 +105,8 @@ class EngineLoop:
 
     def admit(self, k: int) -> bool:
         """Reserve ``k`` engine requests; False when full or shutting down."""
-        if not self.accepting or not self.alive or self.in_flight + k > self.max_queue:
+        if (not self.accepting or self.paused is not None or not self.alive
+                or self.in_flight + k > self.max_queue):
             return False
         self.in_flight += k
         return True
@@ -143,6 +147,28 @@ class EngineLoop:
 
         self._submit(command)
         return await asyncio.wrap_future(fut)
+
+    async def drain(self, timeout: float, poll_s: float = 0.01) -> int:
+        """Wait (admission paused by the caller) until no request is in flight; past
+        ``timeout`` seconds end those still running with finish_reason "abort" and wait for
+        their readers to let go. Returns how many engine requests were aborted."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        if self.in_flight == 0:
+            return 0
+
+        def abort_all(_: Engine) -> int:
+            ids = list(self._streams)
+            for rid in ids:
+                self._abort(rid)
+            return len(ids)
+
+        aborted = await self.call(abort_all)
+        deadline = time.monotonic() + max(timeout, 5.0)
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return aborted
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks at the next command drain (thread-safe)."""

@@ -133,6 +133,17 @@ class ServerMetrics:
                               registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):
             self._finished.labels(reason)  # present at 0, so rates work from the first scrape
+        self._admin = Counter("replaylm_admin_actions", "admin actions done (server.admin)",
+                              ["action"], registry=self.registry)
+        self._admin_s = Counter("replaylm_admin_seconds", "seconds admin actions took, "
+                                "draining included", ["action"], registry=self.registry)
+        for action in ("update_weights", "sleep", "wake_up"):
+            self._admin.labels(action)
+            self._admin_s.labels(action)
+
+    def admin(self, action: str, seconds: float) -> None:
+        self._admin.labels(action).inc()
+        self._admin_s.labels(action).inc(seconds)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -37,6 +37,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                      help="largest request body accepted; beyond it the server answers 413 "
                      "(default: 8388608, 8 MiB)")
+    srv.add_argument("--admin-api-key", default=None,
+                     help="serve the admin routes (POST /admin/update_weights, /admin/sleep, "
+                     "/admin/wake_up, /admin/reset_prefix_cache, GET /admin/is_sleeping) to "
+                     "requests carrying 'Authorization: Bearer KEY' (default: no admin "
+                     "routes)")
+    srv.add_argument("--admin-drain-timeout", type=float, default=30.0,
+                     help="seconds an update or sleep waits for in-flight requests before "
+                     "aborting them (default: 30)")
     srv.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"],
                      help="server log level (default: info)")
@@ -60,6 +68,10 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         if value < 1:
             print(f"{flag}={value} is invalid: must be >= 1", file=sys.stderr)
             return 2
+    if not ns.admin_drain_timeout >= 0:
+        print(f"--admin-drain-timeout={ns.admin_drain_timeout} is invalid: must be >= 0",
+              file=sys.stderr)
+        return 2
     if not ns.request_timeout > 0 or not ns.shutdown_timeout >= 0:
         print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
               f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
@@ -77,7 +89,8 @@ def _serve(ns: argparse.Namespace, core: Any) -> int:
     from replaylm.server.graceful import GracefulServer
 
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
-                    max_request_bytes=ns.max_request_bytes)
+                    max_request_bytes=ns.max_request_bytes,
+                    admin_api_key=ns.admin_api_key, admin_drain_timeout=ns.admin_drain_timeout)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
                             ns.shutdown_timeout)
     reason = (f"server shutting down: the request was cancelled after --shutdown-timeout "

@@ -1,0 +1,121 @@
+"""Sleep and wake of a model's weights and KV pool, kept in arena regions (``arena``).
+
+``Sleeper.sleep(level)``: level 1 copies the weights to host memory (pinned on CUDA), level 2
+keeps no copy (the caller will write new weights: ``update_weights``); then every weight and
+KV region is poisoned (0xFF: NaN in every float dtype, so a stale mapping would show) and
+released (CUDA: unmapped and its physical memory freed; CPU: left poisoned). ``wake()`` maps
+physical memory back at the same addresses, copies level 1's weights back (level 2 leaves the
+weights poisoned until they are written) and zeroes the KV pool, as start-up leaves it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from replaylm.memory.arena import Arena, Region
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What ``sleep`` did: ``freed_bytes`` is the rise of the device's free memory as the
+    driver reports it (``torch.cuda.mem_get_info``; 0 on the CPU), ``released_bytes`` the
+    arena bytes released (weights and KV pool), ``backup_bytes`` the weights kept on the
+    host (level 1)."""
+
+    level: int
+    freed_bytes: int
+    released_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    backup_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    """What ``wake_up`` did: the level it woke from, ``mapped_bytes`` mapped back (and the
+    drop of the device's free memory, ``taken_bytes``), ``restored_bytes`` of weights copied
+    back (level 1), the seconds it took, and the graph audit's summary when one ran."""
+
+    level: int
+    mapped_bytes: int
+    taken_bytes: int
+    restored_bytes: int
+    seconds: float
+    audit: dict | None = None
+
+
+def device_free(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+class Sleeper:
+    """Sleeps and wakes the ``weights`` and ``kv`` regions of one arena."""
+
+    def __init__(self, arena: Arena, weights: list[Region], kv: list[Region]) -> None:
+        self.arena, self.weights, self.kv = arena, weights, kv
+        self.level = 0  # 0: awake
+        self._backup: dict[str, torch.Tensor] = {}
+
+    @property
+    def asleep(self) -> bool:
+        return self.level > 0
+
+    def sleep(self, level: int = 1) -> SleepReport:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (keep the weights on the host) or 2 "
+                             f"(discard them), not {level!r}")
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep already (level {self.level})")
+        t0 = time.perf_counter()
+        device = self.arena.device
+        before = device_free(device)
+        backup = 0
+        if level == 1:
+            pin = device.type == "cuda"
+            for r in self.weights:
+                host = torch.empty(r.nbytes, dtype=torch.uint8, pin_memory=pin)
+                host.copy_(r.bytes[:r.nbytes], non_blocking=pin)
+                self._backup[r.name] = host
+                backup += r.nbytes
+            if pin:
+                torch.cuda.synchronize(device)
+        released = 0
+        for r in self.weights + self.kv:
+            r.poison()  # a mapping that went stale reads NaN, never old weights
+            r.release()
+            released += r.size
+        self.level = level
+        return SleepReport(level, max(0, device_free(device) - before), released,
+                           sum(r.size for r in self.weights), sum(r.size for r in self.kv),
+                           backup, time.perf_counter() - t0)
+
+    def wake(self) -> WakeReport:
+        if not self.asleep:
+            raise RuntimeError("wake_up: the engine is not asleep")
+        t0 = time.perf_counter()
+        device = self.arena.device
+        before = device_free(device)
+        mapped = restored = 0
+        for r in self.weights + self.kv:
+            r.remap()
+            mapped += r.size
+        for r in self.weights:
+            host = self._backup.get(r.name)  # kept until the copies are done (below)
+            if host is not None:
+                r.bytes[:r.nbytes].copy_(host, non_blocking=host.is_pinned())
+                restored += r.nbytes
+            else:
+                r.poison()  # level 2: NaN until update_weights writes the weights
+        for r in self.kv:
+            r.bytes.zero_()
+        taken = max(0, before - device_free(device))  # synchronizes: the copies are done
+        level, self.level = self.level, 0
+        self._backup.clear()
+        return WakeReport(level, mapped, taken, restored, time.perf_counter() - t0)
