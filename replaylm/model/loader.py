@@ -442,13 +442,14 @@ def default_model_weights(cfg: ModelConfig, seed: int = 0) -> Path:
         init_dummy(model, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file(_to_hf_names(model), str(tmp))
+        save_file(to_hf_names(model), str(tmp))
         tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return path.parent
 
 
-def _to_hf_names(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under transformers' names, unpacking qkv and gate/up."""
+def to_hf_names(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under transformers' names, unpacking qkv and gate/up (a dense model:
+    the default model's cached checkpoint, and benchmarks that need a state dict)."""
     cfg = model.cfg
     inverse = {(m, s): n for n, (m, s) in PACKED.items()}
     out: dict[str, torch.Tensor] = {}
