@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install replaylm into it (CPU machine).
 #   scripts/setup.sh          engine only
-#   scripts/setup.sh --test   engine + server + bench plots + test tools (pytest, hypothesis,
-#                             ruff, openai client, matplotlib, triton interpreter)
+#   scripts/setup.sh --test   engine + server + bench plots + test tools (pytest, pytest-xdist,
+#                             hypothesis, ruff, openai client, matplotlib, triton interpreter)
 # torch is pinned to 2.13.0 first: on the CPU machines here that is a local CPU build, while an
 # unpinned torch would pull a multi-GB CUDA build. transformers is pinned to the GPU machine's
 # 5.17 so the reference the tests compare against is the same everywhere.

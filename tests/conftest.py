@@ -15,9 +15,23 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# Keep the built-in default model's weight cache inside the test session.
-os.environ.setdefault("REPLAYLM_CACHE", str(Path(__file__).parent / ".." / ".cache" / "test"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (``pytest -n auto``), the name of this worker process ("gw0", ...).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+
+# Keep the built-in default model's weight cache (and the tuning and compile-plan caches
+# beside it) inside the test session: one directory per xdist worker, so two workers never
+# write the same file at once.
+_CACHE = Path(__file__).parent / ".." / ".cache" / "test"
+os.environ.setdefault("REPLAYLM_CACHE", str(_CACHE / WORKER if WORKER else _CACHE))
+
+# The models here are tiny: one intra-op thread per process under xdist. With two threads a
+# worker, the workers (and the servers and ranks they start, which read OMP_NUM_THREADS)
+# oversubscribe the cores, and each small matmul then waits for a descheduled OpenMP thread
+# (a MoE graph test took 10 s with two threads, 4 s with one, on a busy 2-core machine).
+THREADS = 1 if WORKER else max(1, min(2, os.cpu_count() or 1))
+if WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(THREADS)
 
 TINY = {
     "llama": dict(
