@@ -23,13 +23,15 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from time import monotonic, perf_counter
+from time import monotonic
 from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as tmp
 
 from replaylm.config import EngineArgs
+from replaylm.distributed.rank_stats import summed_graphs, summed_stats
+from replaylm.distributed.weights_and_sleep import RanksWeightsAndSleep
 from replaylm.distributed.worker import worker_main
 from replaylm.engine.loading import load_model_config, load_tokenizer
 from replaylm.engine.observer import NO_OBSERVER, StepObserver
@@ -37,10 +39,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
-from replaylm.graphs.audit import AuditReport, GraphAuditError
-from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
-from replaylm.model.weight_update import Source, WeightUpdate, wire_source
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
 
@@ -58,7 +57,7 @@ class WorkerError(RuntimeError):
     """A worker (data- or tensor-parallel) died, failed or stopped answering."""
 
 
-class MultiProcessEngine(RequestChecks):
+class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
     """The ``Engine`` of worker processes. Prompt handling needs only the model's config,
     the tokenizer and the settings, which the driver loads itself (``RequestChecks``, as a
     single engine's)."""
@@ -191,78 +190,6 @@ class MultiProcessEngine(RequestChecks):
         obs.end(bool(deltas))
         return deltas
 
-    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
-        """Copy new weights into every rank's model in place (``EngineCore.update_weights``):
-        a directory goes to the ranks as its path (each reads its slices), tensors as CPU
-        copies (``weight_update.wire_source``). Each data-parallel leader checks the whole
-        call before copying and hands it to its tensor-parallel followers; the first one's
-        refusal raises ``ValueError`` before any rank copied (every rank checks the same
-        names, shapes and dtypes). Returns data-parallel rank 0's counts and the seconds
-        the whole call took."""
-        t0 = perf_counter()
-        payload = wire_source(source)
-        first = None
-        if self.is_sleeping():
-            raise RuntimeError("update_weights: the engine is asleep: call wake_up() first")
-        for value in self._each_leader("update_weights", payload, target):
-            first = first or value
-        return dataclasses.replace(first, seconds=perf_counter() - t0)
-
-    # Sleep and wake, the graph audit ----------------------------------------------------------
-
-    def sleep(self, level: int = 1) -> SleepReport:
-        """Every rank sleeps (``EngineCore.sleep``; each leader hands it to its tensor-parallel
-        followers). Returns rank 0's report with ``freed_bytes``, ``released_bytes`` and
-        ``backup_bytes`` summed over the data-parallel leaders, and the whole call's seconds."""
-        if self.has_unfinished():
-            raise RuntimeError("sleep needs an idle engine: requests are unfinished (finish or "
-                               "abort them first)")
-        t0 = perf_counter()
-        reports = self._each_leader("sleep", level)
-        self.sleep_level = level
-        first = reports[0]
-        return dataclasses.replace(
-            first, freed_bytes=sum(r.freed_bytes for r in reports),
-            released_bytes=sum(r.released_bytes for r in reports),
-            backup_bytes=sum(r.backup_bytes for r in reports), seconds=perf_counter() - t0)
-
-    def wake_up(self) -> WakeReport:
-        """Every rank wakes (``EngineCore.wake_up``); rank 0's report, the call's seconds."""
-        t0 = perf_counter()
-        reports = self._each_leader("wake_up")
-        self.sleep_level = 0
-        return dataclasses.replace(reports[0], seconds=perf_counter() - t0)
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_level > 0
-
-    def audit_graphs(self) -> AuditReport:
-        """Every data-parallel leader audits its graphs; the counts summed, the seconds of
-        the whole call."""
-        t0 = perf_counter()
-        reports = self._each_leader("audit_graphs")
-        total = {k: sum(getattr(r, k) for r in reports)
-                 for k in ("graphs", "kernels", "params", "words", "pointers", "unreadable")}
-        return AuditReport(**total, seconds=perf_counter() - t0)
-
-    def reset_prefix_cache(self) -> int:
-        return sum(self._each_leader("reset_prefix_cache"))
-
-    def _each_leader(self, op: str, *args) -> list:
-        """``op`` on every data-parallel leader in turn; a refusal raises as the rank raised
-        it (``ValueError``, ``RuntimeError`` or ``GraphAuditError``)."""
-        out = []
-        for g in self.leaders:
-            status, value = self._call(g, op, *args)
-            if status == "invalid":
-                raise ValueError(value)
-            if status == "refused":
-                kind, message = value
-                raise (GraphAuditError if kind == "GraphAuditError" else RuntimeError)(
-                    f"rank {g}: {message}")
-            out.append(value)
-        return out
-
     # Statistics ----------------------------------------------------------------------------
 
     def rank_stats(self) -> list[tuple[EngineStats, dict]]:
@@ -272,28 +199,17 @@ class MultiProcessEngine(RequestChecks):
     @property
     def stats(self) -> EngineStats:
         """The ranks' engine counters, summed (gauges too: running, waiting, KV blocks)."""
-        return self._summed([s for s, _ in self.rank_stats()])
-
-    def _summed(self, per_rank: list[EngineStats]) -> EngineStats:
-        total = EngineStats(graph_mode=self.graph_mode)
-        for f in dataclasses.fields(EngineStats):
-            values = [getattr(s, f.name) for s in per_rank]
-            if isinstance(values[0], int | float | dict) and not isinstance(values[0], bool):
-                setattr(total, f.name, _sum(values))
-        total.last_step = per_rank[0].last_step
-        total.requests_rejected += self.rejected
-        total.spec = SpecStats.summed([s.spec for s in per_rank if s.spec is not None])
-        return total
+        return summed_stats([s for s, _ in self.rank_stats()], self.graph_mode, self.rejected)
 
     def _refresh_live(self) -> None:
         """Update ``live_stats`` in place from the ranks' latest snapshots: what a reader on
         another thread (the server's ``/metrics``) sees, without a message to any rank. Its
         counters lag the ranks by at most ``worker.SNAPSHOT_EVERY_S`` while they run and are
         exact once they are idle."""
-        total = self._summed([s for s, _ in self._snapshots])
+        total = summed_stats([s for s, _ in self._snapshots], self.graph_mode, self.rejected)
         for f in dataclasses.fields(EngineStats):
             setattr(self.live_stats, f.name, getattr(total, f.name))
-        self.live_stats.graphs = SimpleNamespace(**self._summed_graphs(
+        self.live_stats.graphs = SimpleNamespace(**summed_graphs(
             [g for _, g in self._snapshots]))
 
     @property
@@ -303,19 +219,7 @@ class MultiProcessEngine(RequestChecks):
 
     def graph_stats(self) -> dict:
         """The ranks' graph statistics summed, and each rank's under ``ranks``."""
-        return self._summed_graphs([g for _, g in self.rank_stats()])
-
-    @staticmethod
-    def _summed_graphs(per_rank: list[dict]) -> dict:
-        total = _sum(per_rank)
-        padded = total["padded_tokens"]
-        total["padding_share"] = round(1 - total["real_tokens"] / padded, 4) if padded else 0.0
-        for key in ("nodes", "streams", "forks"):  # per graph: every rank captured the same
-            total[key] = per_rank[0][key]
-        if "all_reduce" in per_rank[0]:  # rank 0's group's plan (each group's under ranks)
-            total["all_reduce"] = per_rank[0]["all_reduce"]
-        total["ranks"] = per_rank
-        return total
+        return summed_graphs([g for _, g in self.rank_stats()])
 
     # Workers -------------------------------------------------------------------------------
 
@@ -401,17 +305,6 @@ class MultiProcessEngine(RequestChecks):
         where = ", ".join(f"{g} (data-parallel rank {g // self.tp}, tensor-parallel rank "
                           f"{g % self.tp})" for g in ranks)
         raise WorkerError(f"{'rank' if len(ranks) == 1 else 'ranks'} {where} {what}")
-
-
-def _sum(values: list):
-    """Numbers summed; dicts summed key by key (recursively); anything else: the first."""
-    first = values[0]
-    if isinstance(first, dict):
-        keys = {k: None for v in values for k in v}
-        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
-    if isinstance(first, int | float) and not isinstance(first, bool):
-        return sum(values)
-    return first
 
 
 def _stop_workers(procs: list, conns: list, store_dir: str, grace_s: list[float]) -> None:

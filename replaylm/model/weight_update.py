@@ -36,7 +36,8 @@ from safetensors import safe_open
 
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
-from replaylm.model.loader import Placement, WeightMap, checkpoint_files
+from replaylm.model.loader import checkpoint_files
+from replaylm.model.weight_map import Placement, WeightMap
 
 #: What ``update_weights`` takes: a checkpoint directory, or ``(name, tensor)`` pairs.
 Source = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -61,7 +62,7 @@ def update_weights(model: CausalLM, source: Source,
                    full_cfg: ModelConfig | None = None) -> WeightUpdate:
     """Write ``source``'s tensors into ``model``'s parameters in place, all checked first.
     ``full_cfg``: the whole model's config for a tensor-parallel or data-parallel-attention
-    shard (``loader.WeightMap``)."""
+    shard (``weight_map.WeightMap``)."""
     t0 = time.perf_counter()
     weights = WeightMap(model, full_cfg)
     with ExitStack() as files:

@@ -14,7 +14,8 @@ from replaylm import LLM, SamplingParams
 from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.loading import load_model_config
 from replaylm.engine.request import Request
-from replaylm.model.loader import WeightMap, checkpoint_files, load_model
+from replaylm.model.loader import checkpoint_files, load_model
+from replaylm.model.weight_map import WeightMap
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 # The first prompt fills two 16-token blocks and comes twice: the second run reuses the

@@ -1,0 +1,101 @@
+"""Changing a serving engine's memory without recapturing its graphs: in-place weight
+updates, sleep and wake (``memory.sleep``), the graph pointer audit and a prefix-cache reset
+(``WeightsAndSleep``, a base of ``EngineCore``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from replaylm.config import EngineArgs
+from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.model_runner import ModelRunner
+from replaylm.engine.request import Request
+from replaylm.engine.scheduler import Scheduler
+from replaylm.graphs.audit import AuditReport
+from replaylm.memory.sleep import SleepReport, WakeReport
+from replaylm.model.weight_update import Source, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class WeightsAndSleep:
+    """Reads the engine's ``args``, ``runner``, ``block_manager``, ``scheduler``,
+    ``requests``, ``sleep_level``, and calls its ``has_unfinished`` and ``drafter``."""
+
+    args: EngineArgs
+    runner: ModelRunner
+    block_manager: BlockManager
+    scheduler: Scheduler
+    requests: dict[str, list[Request]]
+    sleep_level: int
+
+    def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
+        """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
+        model's (``target="draft"``: the draft model's) buffers in place, all checked first
+        (``model.weight_update``); a model update drops the prefix cache (old-weight KV)."""
+        if target not in ("model", "draft"):
+            raise ValueError(f"update_weights: target={target!r} is invalid: 'model' or 'draft'")
+        self._awake("update_weights")
+        if target == "draft":
+            runner = getattr(self.drafter, "runner", None)
+            if runner is None:
+                raise ValueError("update_weights(target='draft') needs a draft model "
+                                 "(speculative_config method 'draft_model')")
+            return runner.update_weights(source)
+        result = self.runner.update_weights(source)
+        self.block_manager.drop_cached_blocks([*self.scheduler.running, *self.scheduler.waiting])
+        if self.args.graph_check:
+            result = dataclasses.replace(result, audit=self.audit_graphs().as_dict())
+        return result
+
+    # Sleep and wake (``memory.sleep``) ----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> SleepReport:
+        """Free the GPU memory of the weights (level 1: copied to host memory first; level
+        2: discarded, for ``update_weights`` after waking) and of the KV pool, keeping their
+        addresses; the prefix cache is dropped. Needs ``enable_sleep_mode`` and an idle
+        engine; requests are refused (``RuntimeError``) until ``wake_up``."""
+        if self.has_unfinished():
+            raise RuntimeError(f"sleep needs an idle engine: {len(self.requests)} requests "
+                               "are unfinished (finish or abort them first)")
+        if self.is_sleeping():
+            raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
+        report = self.runner.sleep(level)
+        self.block_manager.drop_cached_blocks()
+        self.sleep_level = level
+        log.info("asleep (level %d): %.2f GiB freed on the device in %.2f s", level,
+                 report.freed_bytes / 2**30, report.seconds)
+        return report
+
+    def wake_up(self) -> WakeReport:
+        """Map the weights' and the KV pool's memory back at the same addresses (the graphs
+        replay unchanged, never recaptured): level 1's weights are restored, level 2's await
+        ``update_weights``; the KV pool starts zeroed and the prefix cache empty. With
+        ``graph_check`` the graphs are audited (``audit_graphs``)."""
+        if not self.is_sleeping():
+            raise RuntimeError("wake_up: the engine is not asleep")
+        report = self.runner.wake_up()
+        self.sleep_level = 0
+        if self.args.graph_check:
+            report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
+        return report
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    def audit_graphs(self) -> AuditReport:
+        """Check that no captured graph holds an address of unmapped or freed memory
+        (``graphs.audit``); raises ``GraphAuditError`` naming the graph, kernel and parameter."""
+        return self.runner.audit_graphs()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (``BlockManager.drop_cached_blocks``); the blocks freed."""
+        return self.block_manager.drop_cached_blocks(
+            [*self.scheduler.running, *self.scheduler.waiting])
+
+    def _awake(self, what: str) -> None:
+        if self.is_sleeping():
+            raise RuntimeError(f"{what}: the engine is asleep (level {self.sleep_level}): "
+                               "call wake_up() first")
+
