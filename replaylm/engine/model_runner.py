@@ -42,6 +42,7 @@ from replaylm.model.parallel import (
     dp_attention_config,
     shard_config,
 )
+from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, SampleRows, StepSampler
 from replaylm.speculative.acceptance import emitted_rows
 from replaylm.speculative.config import SpecConfig
@@ -290,4 +291,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         rows = torch.cat([batch.logits_indices, plan.rows])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
         logits = self.model.compute_logits(hidden)
+        n = host.num_sampled  # structured outputs' masks, on the sampled rows only
+        apply_token_bitmask(logits[:n], self.buffers.token_bitmask, self.buffers.bitmask_on,
+                            batch.sample_slots[:n])
         return logits, batch, Dispatch("eager", reason=reason, pad_to=pad_to), host.num_tokens

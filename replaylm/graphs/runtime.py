@@ -32,6 +32,7 @@ from replaylm.graphs.piecewise import PiecewiseGraphs
 from replaylm.graphs.policy import Dispatch, GraphPolicy
 from replaylm.graphs.whole import WholeModelGraphs, run_whole_model
 from replaylm.model.llama import CausalLM
+from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class GraphRuntime:
         # drafts); the logits rows are sized by it, up to the token count.
         self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_num_seqs,
                                      max_blocks, device, max_model_len,
-                                     max_logits=min(top_tokens, max_num_seqs * rows_per_req))
+                                     max_logits=min(top_tokens, max_num_seqs * rows_per_req),
+                                     vocab_size=model.cfg.vocab_size)
         self.last_token = self.buffers.last_token
         self.whole = (WholeModelGraphs(model, self.buffers, max_num_seqs, top)
                       if policy.uses_whole else None)
@@ -274,6 +276,8 @@ class GraphRuntime:
         check = self._check_label(key)
         if d.mode == "piecewise":
             logits, batch = self.piecewise.run(host, d.tier, check)
+            apply_token_bitmask(logits, self.buffers.token_bitmask, self.buffers.bitmask_on,
+                                batch.sample_slots)
             greedy = argmax_rows(logits, self.last_token, batch.sample_slots)
         else:
             logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check)

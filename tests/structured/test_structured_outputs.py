@@ -1,0 +1,145 @@
+"""Structured outputs on the built-in model (random weights, real BPE tokenizer), sampled at
+temperature 1: every output of a JSON schema, json_object, a regex, a choice list and an EBNF
+grammar parses and validates, eagerly and in ragged graphs (the CPU stand-in checks that the
+mask buffers keep their addresses); unconstrained requests running beside them come out token
+for token as they do alone; bad specs are ValueErrors naming the field and leak nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from replaylm import LLM, SamplingParams
+from replaylm.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9},
+        "t": {"enum": ["x", "y"]},
+        "l": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+              "maxItems": 2},
+        "p": {"type": "object", "properties": {"b": {"type": "boolean"},
+                                               "s": {"type": "string", "pattern": "^[a-z]{0,2}$"}},
+              "required": ["b", "s"], "additionalProperties": False},
+    },
+    "required": ["a", "t", "l", "p"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,4}-[0-9]{1,2}"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'root ::= "(" [0-9] ("+" [0-9]){0,3} ")"'
+KINDS = {"json": SO(json=SCHEMA), "json_object": SO(json_object=True), "regex": SO(regex=REGEX),
+         "choice": SO(choice=CHOICES), "grammar": SO(grammar=GRAMMAR)}
+MAX_TOKENS = {"json": 56, "json_object": 32, "regex": 12, "choice": 8, "grammar": 16}
+# Random weights write long keys in a free JSON object: a bias towards '"' and '}' (tokens 5
+# and 96 of the built-in tokenizer) closes them sooner, and one against '{}' (1920) keeps the
+# objects from being all empty. It moves probabilities only; what may be written is still
+# the grammar's.
+BIAS = {"json_object": {5: 9.0, 96: 5.0, 1920: -100.0}}
+FREE = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
+        for i in range(3)]
+FREE_PROMPTS = ["def main():", "import os", "class Foo:"]
+
+
+def _validate_json(text: str) -> None:
+    v = json.loads(text)
+    assert isinstance(v, dict) and set(v) == {"a", "t", "l", "p"}, text
+    assert isinstance(v["a"], int) and 0 <= v["a"] <= 9, text
+    assert v["t"] in ("x", "y"), text
+    assert isinstance(v["l"], list) and len(v["l"]) <= 2, text
+    assert all(isinstance(x, int) and 0 <= x <= 9 for x in v["l"]), text
+    assert set(v["p"]) == {"b", "s"} and isinstance(v["p"]["b"], bool), text
+    assert isinstance(v["p"]["s"], str) and len(v["p"]["s"]) <= 2, text
+    assert ": " in text and "\n" not in text, text  # xgrammar's fixed separators, no free space
+
+
+def _validate_grammar(text: str) -> None:
+    assert re.fullmatch(r"\([0-9](\+[0-9]){0,3}\)", text), text
+
+
+CHECKS = {
+    "json": _validate_json,
+    "json_object": lambda t: isinstance(json.loads(t), dict) or pytest.fail(t),
+    "regex": lambda t: re.fullmatch(REGEX, t) or pytest.fail(t),
+    "choice": lambda t: t in CHOICES or pytest.fail(t),
+    "grammar": _validate_grammar,
+}
+
+
+def _engine(mode: str | None) -> LLM:
+    # Ragged: prefill chunks within the top tier, so every step replays a graph.
+    extra = ({"cuda_graph_mode": mode, "graph_tiers": "8,16,64", "max_num_batched_tokens": 64}
+             if mode else {})
+    return LLM("default", max_num_seqs=64, max_model_len=128, num_kv_blocks=160, **extra)
+
+
+@pytest.fixture(scope="module", params=[None, "ragged"], ids=["eager", "ragged"])
+def llm(request):
+    return _engine(request.param)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_every_kind_parses_and_free_requests_are_untouched(llm):
+    per_kind = 6 if llm.graph_mode == "eager" else 3  # ragged: the same code, fewer steps
+    prompts, params, kinds = [], [], []
+    for kind, so in KINDS.items():
+        for seed in range(per_kind):
+            prompts.append(f"Answer {kind} #{seed}:")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS[kind],
+                                         logit_bias=BIAS.get(kind), structured_outputs=so))
+            kinds.append(kind)
+    # Unconstrained requests interleaved with the constrained ones, in the same steps.
+    outs = llm.generate(FREE_PROMPTS + prompts, FREE + params, use_tqdm=False)
+    for kind, out in zip(kinds, outs[len(FREE):]):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", (kind, o.text)
+        CHECKS[kind](o.text)
+    alone = llm.generate(FREE_PROMPTS, FREE, use_tqdm=False)
+    assert _tokens(outs[: len(FREE)]) == _tokens(alone)
+    core = llm.engine
+    assert core.block_manager.num_used_blocks == 0
+    if llm.graph_mode != "eager":
+        stats = llm.graph_stats()
+        assert stats["hits"] and not stats["fallbacks"], stats
+
+
+BAD = [
+    (SO(json='{"type": "object", "properties": {"a": {"type": "nope"}}}'), "structured_outputs.json"),
+    (SO(json="{not json"), "structured_outputs.json"),
+    (SO(regex="(("), "structured_outputs.regex"),
+    (SO(grammar="root ::= "), "structured_outputs.grammar"),
+]
+
+
+def test_bad_specs_are_value_errors_naming_the_field(llm):
+    if llm.graph_mode != "eager":
+        pytest.skip("compilation does not depend on the graph mode")
+    for so, field in BAD:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"exactly one of .*\(got json and regex\)"):
+        SO(json=SCHEMA, regex=REGEX)
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        SO(choice=[])
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
+    core = llm.engine
+    args = core.args
+    core.args = args.replace(structured_outputs_compile_timeout_s=1e-9)
+    try:  # a spec not compiled before: over the (tiny) limit
+        with pytest.raises(ValueError, match="structured_outputs.regex.*compile_timeout_s"):
+            llm.generate(["x"], SamplingParams(structured_outputs=SO(regex="[0-9]{1,7}q")),
+                         use_tqdm=False)
+    finally:
+        core.args = args
+    assert not core.has_unfinished() and core.block_manager.num_used_blocks == 0
+    # The engine serves on: the same unconstrained requests, the same tokens.
+    again = llm.generate(FREE_PROMPTS, FREE, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in again)
+    assert core.block_manager.num_used_blocks == 0
