@@ -35,12 +35,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, flags: torc
     """Set to ``-inf``, in place, the logits of tokens the mask of each row's slot forbids.
 
     ``logits`` ``[L, V]``; ``bitmask`` ``[S+1, W]`` int32 per slot; ``flags`` ``[S+1]`` int32
-    (1: the slot's request is constrained); ``slots`` ``[L]`` each row's slot. The torch
-    reference (runs on CPU and inside CUDA graphs alike).
+    (1: the slot's request is constrained); ``slots`` ``[L]`` each row's slot. On CUDA one
+    Triton launch (``replaylm.kernels.bitmask``); elsewhere this torch reference, its oracle.
     """
     n, vocab = logits.shape
     if n == 0:
         return logits
+    if logits.is_cuda and logits.stride(-1) == 1:  # one launch, early exit per free row
+        from replaylm.kernels.bitmask import apply_token_bitmask as kernel
+
+        return kernel(logits, bitmask, flags, slots)
     words = bitmask.index_select(0, slots)  # [L, W]
     bits = torch.bitwise_right_shift(words.unsqueeze(-1), _shifts(logits.device)) & 1
     allowed = bits.view(n, -1)[:, :vocab].to(torch.bool)

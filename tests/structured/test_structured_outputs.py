@@ -143,3 +143,22 @@ def test_bad_specs_are_value_errors_naming_the_field(llm):
     again = llm.generate(FREE_PROMPTS, FREE, use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in again)
     assert core.block_manager.num_used_blocks == 0
+
+
+def test_speculative_engine_drafts_for_free_requests_only():
+    """With n-gram speculation, constrained requests never draft (one mask row per slot) and
+    their outputs validate; a repetitive free request beside them still verifies drafts."""
+    llm = LLM("default", max_num_seqs=8, max_model_len=128, num_kv_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    kinds = ["regex", "choice", "grammar"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS[k],
+                             structured_outputs=KINDS[k]) for k in kinds for s in range(2)]
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(["a b a b a b a b"] + ["Go:"] * len(params), [free] + params,
+                        use_tqdm=False)
+    for kind, out in zip([k for k in kinds for _ in range(2)], outs[1:]):
+        assert out.outputs[0].finish_reason == "stop", (kind, out.outputs[0].text)
+        CHECKS[kind](out.outputs[0].text)
+    assert llm.spec_stats()["draft_tokens"] > 0  # the free request drafted
+    assert llm.engine.block_manager.num_used_blocks == 0
