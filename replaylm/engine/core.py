@@ -172,6 +172,8 @@ class EngineCore(RequestChecks):
         if group is None:
             return False
         aborted = [self.scheduler.abort(r.request_id) for r in group]
+        for r in group:
+            self.structured.release(r)
         self._forget(request_id)
         if not any(aborted):
             return False
@@ -328,6 +330,7 @@ class EngineCore(RequestChecks):
 
     def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:
+            self.structured.release(req)
             self.outputs.pop(req, None)
             group = self.requests.get(req.parent_id)
             if group is not None and all(r.is_finished for r in group):

@@ -63,6 +63,16 @@ class StructuredOutputs:
         req.grammar = matcher
         self.requests.add(req)
 
+    def release(self, req: Any) -> None:
+        """``req`` finished: forget its matcher and turn its slot's flag off (stream-ordered
+        after every launched step that sampled it; ``prepare`` also catches any missed)."""
+        if req.grammar is None:
+            return
+        self.requests.discard(req)
+        for slot, owner in enumerate(self._owner):  # its slot may be released already
+            if owner is req:
+                self._set_flag(slot, None)
+
     def in_step(self, out: Any) -> bool:
         """Whether step ``out`` samples a constrained request (then it must resolve before
         the next step is built)."""

@@ -76,17 +76,24 @@ def _engine(mode: str | None) -> LLM:
     return LLM("default", max_num_seqs=64, max_model_len=128, num_kv_blocks=160, **extra)
 
 
-@pytest.fixture(scope="module", params=[None, "ragged"], ids=["eager", "ragged"])
-def llm(request):
-    return _engine(request.param)
+@pytest.fixture(scope="module")
+def eager():
+    return _engine(None)
+
+
+@pytest.fixture(scope="module")
+def ragged():
+    return _engine("ragged")
 
 
 def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_every_kind_parses_and_free_requests_are_untouched(llm):
-    per_kind = 6 if llm.graph_mode == "eager" else 3  # ragged: the same code, fewer steps
+@pytest.mark.parametrize("mode", ["eager", "ragged"])
+def test_every_kind_parses_and_free_requests_are_untouched(mode, request):
+    llm = request.getfixturevalue(mode)
+    per_kind = 10 if mode == "eager" else 5  # ragged: the same code, fewer requests
     prompts, params, kinds = [], [], []
     for kind, so in KINDS.items():
         for seed in range(per_kind):
@@ -117,9 +124,8 @@ BAD = [
 ]
 
 
-def test_bad_specs_are_value_errors_naming_the_field(llm):
-    if llm.graph_mode != "eager":
-        pytest.skip("compilation does not depend on the graph mode")
+def test_bad_specs_are_value_errors_naming_the_field(eager):
+    llm = eager
     for so, field in BAD:
         with pytest.raises(ValueError, match=re.escape(field)):
             llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
@@ -131,10 +137,12 @@ def test_bad_specs_are_value_errors_naming_the_field(llm):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     core = llm.engine
     args = core.args
-    core.args = args.replace(structured_outputs_compile_timeout_s=1e-9)
-    try:  # a spec not compiled before: over the (tiny) limit
+    core.args = args.replace(structured_outputs_compile_timeout_s=1e-3)
+    # A spec not compiled before that takes ~0.1 s to compile: over the (tiny) limit.
+    slow = "(" + "|".join(f"w{i}x[a-z]{{1,5}}" for i in range(1500)) + ")"
+    try:
         with pytest.raises(ValueError, match="structured_outputs.regex.*compile_timeout_s"):
-            llm.generate(["x"], SamplingParams(structured_outputs=SO(regex="[0-9]{1,7}q")),
+            llm.generate(["x"], SamplingParams(structured_outputs=SO(regex=slow)),
                          use_tqdm=False)
     finally:
         core.args = args
@@ -162,3 +170,46 @@ def test_speculative_engine_drafts_for_free_requests_only():
         CHECKS[kind](out.outputs[0].text)
     assert llm.spec_stats()["draft_tokens"] > 0  # the free request drafted
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_constrained_steps_resolve_at_once_free_steps_overlap(eager):
+    """The overlap rule: a step that samples a constrained request is resolved before the next
+    is built; with only free requests the step stays in flight as before."""
+    core = eager.engine
+    core.add_request("free", "hello", SamplingParams(temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True))
+    core.step()
+    core.step()
+    assert core.inflight is not None  # overlapped
+    core.add_request("so", "hello", SamplingParams(max_tokens=8, structured_outputs=SO(
+        choice=["abc", "abd"])))
+    kept = []
+    while core.has_unfinished():
+        core.step()
+        kept.append(core.inflight is not None)
+        so = core.requests.get("so")
+        if so and so[0].num_output_tokens:
+            assert so[0].num_pending == 0  # its tokens are on the host when the next step builds
+    assert not any(kept[1:-1]), kept
+    assert core.block_manager.num_used_blocks == 0
+    assert not core.structured.requests and not core.structured.busy
+
+
+def test_json_whitespace_setting():
+    """Compact JSON by default (xgrammar's any_whitespace=False); free whitespace on request."""
+    import xgrammar
+
+    from replaylm.config import EngineArgs
+    from replaylm.engine.loading import load_model_config, load_tokenizer
+    from replaylm.structured.compiler import compile_for
+
+    cfg, model_dir = load_model_config("default")
+    tok = load_tokenizer(EngineArgs(model="default"), model_dir)
+    so = SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                  "required": ["a"]})
+    for any_ws, spaced_ok in ((False, False), (True, True)):
+        args = EngineArgs(model="default", structured_outputs_any_whitespace=any_ws)
+        m = xgrammar.GrammarMatcher(compile_for(so, args, cfg, tok))
+        assert m.accept_string('{"a": 1}') if not any_ws else True
+        m = xgrammar.GrammarMatcher(compile_for(so, args, cfg, tok))
+        assert m.accept_string('{  "a"  :\n 1 }') == spaced_ok
