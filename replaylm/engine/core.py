@@ -90,9 +90,7 @@ class EngineCore(RequestChecks):
         self.inflight: Launched | None = None  # launched, not yet resolved (overlap)
         # Structured outputs (``replaylm.structured``): grammar matchers, per-slot masks. A
         # step that samples a constrained request is never kept in flight (its mask rule).
-        buffers = self.runner.buffers
-        self.structured = StructuredOutputs(buffers.token_bitmask, buffers.bitmask_on,
-                                            cfg.vocab_size)
+        self.structured = StructuredOutputs(self.runner.buffers, cfg.vocab_size)
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
         self.agree: Agree | None = None

@@ -292,6 +292,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
         logits = self.model.compute_logits(hidden)
         n = host.num_sampled  # structured outputs' masks, on the sampled rows only
-        apply_token_bitmask(logits[:n], self.buffers.token_bitmask, self.buffers.bitmask_on,
-                            batch.sample_slots[:n])
+        if self.buffers.bitmask_any:
+            apply_token_bitmask(logits[:n], self.buffers.token_bitmask,
+                                self.buffers.bitmask_on, batch.sample_slots[:n])
         return logits, batch, Dispatch("eager", reason=reason, pad_to=pad_to), host.num_tokens

@@ -116,6 +116,9 @@ class StaticBuffers:
         words = bitmask_words(vocab_size) if vocab_size is not None else 1
         self.token_bitmask = torch.zeros(s1, words, dtype=torch.int32, device=device)
         self.bitmask_on = torch.zeros(s1, dtype=torch.int32, device=device)
+        # Host mirror: whether any slot's flag is on. Eager steps skip the mask op while it
+        # is False (graphs always run it: a flag-0 row is left as it is).
+        self.bitmask_any = False
 
     def getters(self) -> dict[str, object]:
         """Name -> getter of every static buffer (for the stand-in's address checks)."""

@@ -267,7 +267,8 @@ class GraphRuntime:
             if d.pad_to:
                 host = host.padded(d.pad_to, self.buffers.scratch_slot)
             batch = self.eager_batch(host)
-            logits, greedy = run_whole_model(self.model, self.buffers, batch)
+            logits, greedy = run_whole_model(self.model, self.buffers, batch,
+                                             masks=self.buffers.bitmask_any)
             return StepResult(logits, greedy, batch, d, host.num_tokens)
         key = f"{d.mode}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
@@ -276,8 +277,9 @@ class GraphRuntime:
         check = self._check_label(key)
         if d.mode == "piecewise":
             logits, batch = self.piecewise.run(host, d.tier, check)
-            apply_token_bitmask(logits, self.buffers.token_bitmask, self.buffers.bitmask_on,
-                                batch.sample_slots)
+            if self.buffers.bitmask_any:  # eager, between the piecewise graphs
+                apply_token_bitmask(logits, self.buffers.token_bitmask, self.buffers.bitmask_on,
+                                    batch.sample_slots)
             greedy = argmax_rows(logits, self.last_token, batch.sample_slots)
         else:
             logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check)

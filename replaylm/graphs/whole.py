@@ -22,10 +22,12 @@ from replaylm.sampling.sampler import argmax_rows
 
 
 def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
-                    out: torch.Tensor | None = None, gather: bool = True) -> list[torch.Tensor]:
+                    out: torch.Tensor | None = None, gather: bool = True,
+                    masks: bool = True) -> list[torch.Tensor]:
     """The step on the device: ``[logits, greedy]``. ``gather=False`` reuses the inputs a
     replay already gathered (the graph check re-runs a replayed step). Eager steps run this
-    too, unpadded."""
+    too, unpadded; ``masks=False`` (an eager step while no slot is constrained) skips the
+    structured-output masks, which would change nothing."""
     embedded = None
     if gather and b.gather is not None:
         embedded = buffers.gather_inputs(b, model.gather_embedding,
@@ -34,7 +36,8 @@ def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
     logits = model.compute_logits(hidden, out)
     # Structured outputs: constrained rows' forbidden tokens to -inf (rows of unconstrained
     # slots untouched), before the greedy argmax and the sampler read the logits.
-    apply_token_bitmask(logits, buffers.token_bitmask, buffers.bitmask_on, b.sample_slots)
+    if masks:
+        apply_token_bitmask(logits, buffers.token_bitmask, buffers.bitmask_on, b.sample_slots)
     return [logits, argmax_rows(logits, buffers.last_token, b.sample_slots)]
 
 

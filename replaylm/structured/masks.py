@@ -32,17 +32,20 @@ from typing import Any
 
 import torch
 
+from replaylm.graphs.buffers import StaticBuffers
 from replaylm.sampling.bitmask import bitmask_words
 
 
 class StructuredOutputs:
     """The host side of the masks: matchers' bitmask rows, the slot flags, the accepted tokens.
 
-    ``token_bitmask`` / ``bitmask_on``: the static device buffers (``graphs.buffers``).
+    ``buffers``: the graphs' static buffers (``graphs.buffers.StaticBuffers``): their
+    ``token_bitmask`` and ``bitmask_on`` on the device, and ``bitmask_any``, kept here.
     """
 
-    def __init__(self, token_bitmask: torch.Tensor, bitmask_on: torch.Tensor,
-                 vocab_size: int) -> None:
+    def __init__(self, buffers: StaticBuffers, vocab_size: int) -> None:
+        self.buffers = buffers
+        token_bitmask, bitmask_on = buffers.token_bitmask, buffers.bitmask_on
         self.device_mask, self.device_on = token_bitmask, bitmask_on
         slots = bitmask_on.shape[0]
         pin = token_bitmask.device.type == "cuda"
@@ -106,6 +109,7 @@ class StructuredOutputs:
         if self._on[slot] != on:
             self._on[slot] = on
             self._num_on += 1 if on else -1
+            self.buffers.bitmask_any = self._num_on > 0
             self.device_on[slot: slot + 1].fill_(on)
 
     def advance(self, out: Any, sampled: list[int]) -> list[tuple[Any, Exception]]:
