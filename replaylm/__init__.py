@@ -3,7 +3,8 @@
 from replaylm.config import EngineArgs
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.entrypoints import LLM
-from replaylm.sampling_params import SamplingParams
+from replaylm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"

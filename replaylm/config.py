@@ -79,6 +79,13 @@ _HELP: dict[str, str] = {
     "0 = inline",
     "max_stop_strings": "most stop strings a request may give",
     "max_stop_string_length": "longest stop string a request may give, in characters",
+    "structured_outputs_any_whitespace": "JSON structured outputs (json schema, json_object) "
+    "may carry any whitespace between tokens; by default they are compact (no free "
+    "whitespace), as xgrammar's any_whitespace=False",
+    "structured_outputs_compile_timeout_s": "longest a request's structured-output grammar may "
+    "take to compile (seconds); past it the request is refused (a 400 in the server)",
+    "structured_outputs_compile_threads": "threads that compile structured-output grammars "
+    "(off the engine thread; compiled grammars are cached per process)",
     "data_parallel_size": "data-parallel ranks: one worker process per rank, each with its "
     "own engine (scheduler, KV pool, graphs); every step the ranks agree on one graph tier",
     "tensor_parallel_size": "tensor-parallel ranks: one worker process (one GPU) per rank, "
@@ -145,6 +152,9 @@ class EngineArgs:
     moe_side_stream_max_tokens: int = 64
     max_stop_strings: int = 32
     max_stop_string_length: int = 256
+    structured_outputs_any_whitespace: bool = False
+    structured_outputs_compile_timeout_s: float = 10.0
+    structured_outputs_compile_threads: int = 2
     speculative_config: dict | None = None
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -176,6 +186,11 @@ class EngineArgs:
         _positive("max_graph_tokens", self.max_graph_tokens)
         _positive("max_stop_strings", self.max_stop_strings)
         _positive("max_stop_string_length", self.max_stop_string_length)
+        _positive("structured_outputs_compile_threads", self.structured_outputs_compile_threads)
+        t = self.structured_outputs_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+            raise ValueError(f"EngineArgs.structured_outputs_compile_timeout_s={t!r} is "
+                             "invalid: must be a number of seconds > 0")
         if self.max_graphs is not None:
             _positive("max_graphs", self.max_graphs)
         _non_negative("graph_check", self.graph_check)

@@ -79,6 +79,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _int("n", self.n, 1, MAX_N)
@@ -117,6 +118,15 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None:
                 _int(name, v, 0, INT64_END - 1, "(or None)")
+        so = self.structured_outputs
+        if isinstance(so, dict):  # JSON clients and vLLM users pass a mapping
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                _check(False, "structured_outputs", so, f"unknown field ({e})")
+        _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs", so,
+               "must be a StructuredOutputsParams (or a dict of its fields)")
+        self.structured_outputs = so
 
     def _check_stop(self) -> None:
         if self.stop is None:
@@ -165,6 +175,54 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+
+
+#: The kinds of structured output, in ``StructuredOutputsParams`` field order.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's ``StructuredOutputsParams`` names).
+
+    Exactly one kind per request: ``json`` (a JSON schema, as a dict or its JSON text),
+    ``regex`` (a regular expression the whole output matches), ``choice`` (one of these
+    strings), ``grammar`` (an EBNF grammar, xgrammar's GBNF dialect, rule ``root`` first) or
+    ``json_object=True`` (any JSON object). The engine compiles it (``replaylm.structured``);
+    a spec that does not compile is a ``ValueError`` naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        where = "SamplingParams.structured_outputs"
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none"
+            raise ValueError(f"{where} is invalid: give exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)} (got {got})")
+        kind = given[0]
+        value = getattr(self, kind)
+        ok = {"json": isinstance(value, str | dict), "regex": isinstance(value, str),
+              "grammar": isinstance(value, str), "json_object": value is True,
+              "choice": isinstance(value, list | tuple) and len(value) > 0
+              and all(isinstance(c, str) and c for c in value)}[kind]
+        rule = {"json": "a JSON schema (dict or JSON text)", "regex": "a string",
+                "grammar": "an EBNF grammar (a string)", "json_object": "True",
+                "choice": "a non-empty list of non-empty strings"}[kind]
+        if not ok:
+            raise ValueError(f"{where}.{kind}={value!r} is invalid: must be {rule}")
+        if kind == "choice":
+            object.__setattr__(self, "choice", tuple(value))
+
+    @property
+    def kind(self) -> str:
+        """The one kind given: json, regex, choice, grammar or json_object."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

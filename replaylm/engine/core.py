@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any
 
 from replaylm.config import EngineArgs
 from replaylm.engine.block_manager import BlockManager
@@ -27,6 +28,8 @@ from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.adaptive import AdaptiveBudget
 from replaylm.speculative.protocol import Drafter
 from replaylm.speculative.stats import SpecStats
+from replaylm.structured.compiler import compile_for
+from replaylm.structured.masks import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,9 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.overlap = args.overlap_scheduling and (
             self.speculation is None or self.speculation.overlaps)
         self.inflight: Launched | None = None  # launched, not yet resolved (overlap)
+        # Structured outputs (``replaylm.structured``): grammar matchers, per-slot masks. A
+        # step that samples a constrained request is never kept in flight (its mask rule).
+        self.structured = StructuredOutputs(self.runner.buffers, cfg.vocab_size)
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
         self.agree: Agree | None = None
@@ -109,6 +115,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         try:
             ids = self.tokenize(prompt)
             self.validate(ids, params)
+            grammar = self.compile_structured(params)
         except ValueError:
             self.stats.requests_rejected += 1
             raise
@@ -130,6 +137,8 @@ class EngineCore(RequestChecks, WeightsAndSleep):
                 parent_id=request_id, index=i,
             )
             req.leader = group[0] if group else None
+            if grammar is not None:  # each sibling walks the grammar on its own
+                self.structured.add(req, self._matcher(grammar))
             group.append(req)
             self.outputs[req] = OutputState(req, self.tokenizer)
             self.scheduler.add(req)
@@ -138,12 +147,34 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.stats.prompt_tokens += len(ids)
         return group[0]
 
+    def compile_structured(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
+        process-wide cache or compiled on its thread pool, waiting at most
+        ``EngineArgs.structured_outputs_compile_timeout_s``; ``ValueError`` naming the field.
+        The server calls it off the engine thread first (``server.prompts``), so the engine
+        thread finds the grammar compiled."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.args.tensor_parallel_size > 1:
+            raise ValueError("SamplingParams.structured_outputs is not supported with "
+                             "tensor_parallel_size > 1 yet")
+        return compile_for(so, self.args, self.model_config, self.tokenizer)
+
+    @staticmethod
+    def _matcher(grammar: Any) -> Any:
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(grammar)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request (every sibling) now and free its blocks; False if unknown or done."""
         group = self.requests.get(request_id)
         if group is None:
             return False
         aborted = [self.scheduler.abort(r.request_id) for r in group]
+        for r in group:
+            self.structured.release(r)
         self._forget(request_id)
         if not any(aborted):
             return False
@@ -198,8 +229,10 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         """
         self.step_observer.begin()
         if self.speculation is None:
-            launched, deltas = self.launch(self.scheduler.schedule())
-            for due in self.due(launched, keep_in_flight=self.overlap):
+            out = self.scheduler.schedule()
+            launched, deltas = self.launch(out)
+            keep = self.overlap and not self.structured.in_step(out)
+            for due in self.due(launched, keep_in_flight=keep):
                 deltas += self.resolve(due)
         else:
             launched, deltas = self.speculation.step()
@@ -216,6 +249,8 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             if self.agree is not None:
                 self.runner.idle(self.agree)
             return None, []
+        if self.structured.busy:  # masks of the constrained requests this step samples
+            self.structured.prepare(out)
         obs = self.step_observer
         pending, dispatch, padded = self.runner.execute(out, on_launch=obs.launching,
                                                         agree=self.agree)
@@ -252,9 +287,14 @@ class EngineCore(RequestChecks, WeightsAndSleep):
     def apply(self, step: Launched, sampled: list[int]) -> list[RequestDelta]:
         """Apply a step's samples to its requests: outputs, stop checks, deltas."""
         attach_logprobs(step.out, step.pending, sampled)
+        refused = self.structured.advance(step.out, sampled) if self.structured.requests else []
         changed = self.scheduler.update(step.out, sampled)
-        deltas = []
+        deltas = [self._fail(req, e) for req, e in refused]
         for req in changed:
+            if req.is_finished and req.status is RequestStatus.FINISHED_ERROR:
+                continue  # refused by its grammar above
+            if self.structured.finished_by_grammar(req):
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             try:
                 delta = make_delta(req, self.outputs[req], self.scheduler)
             except Exception as e:  # detokenizing or stop matching: this request's failure
@@ -291,6 +331,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
 
     def _delta(self, req: Request, delta: RequestDelta) -> RequestDelta:
         if delta.finished:
+            self.structured.release(req)
             self.outputs.pop(req, None)
             group = self.requests.get(req.parent_id)
             if group is not None and all(r.is_finished for r in group):

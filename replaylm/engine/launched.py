@@ -11,6 +11,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.scheduler import Scheduler, SchedulerOutput
 from replaylm.graphs.policy import Dispatch
 from replaylm.sampling.step import PendingStep
+from replaylm.structured.masks import StructuredOutputs
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StepHost(Protocol):
     runner: ModelRunner
     overlap: bool
     inflight: Launched | None
+    structured: StructuredOutputs
 
     def launch(self, out: SchedulerOutput) -> tuple[Launched | None, list[RequestDelta]]: ...
 

@@ -46,6 +46,7 @@ from replaylm.model.parallel import (
     shard_config,
 )
 from replaylm.model.weight_update import Source, WeightUpdate, update_weights
+from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.step import PendingStep, PromptLogprobPlan, SampleRows, StepSampler
 from replaylm.speculative.acceptance import emitted_rows
 from replaylm.speculative.config import SpecConfig
@@ -334,4 +335,8 @@ class ModelRunner(RunnerStartup, KVSizing):
         rows = torch.cat([batch.logits_indices, plan.rows])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
         logits = self.model.compute_logits(hidden)
+        n = host.num_sampled  # structured outputs' masks, on the sampled rows only
+        if self.buffers.bitmask_any:
+            apply_token_bitmask(logits[:n], self.buffers.token_bitmask,
+                                self.buffers.bitmask_on, batch.sample_slots[:n])
         return logits, batch, Dispatch("eager", reason=reason, pad_to=pad_to), host.num_tokens

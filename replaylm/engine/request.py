@@ -97,6 +97,9 @@ class Request:
         # Speculative decoding: the drafter's proposal for the next step (the scheduler
         # verifies what fits); empty when speculation is off or nothing was proposed.
         self.draft_tokens: list[int] = []
+        # Structured outputs: the xgrammar matcher of this request's grammar (None: free text),
+        # advanced by every accepted token (``replaylm.structured.masks``).
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

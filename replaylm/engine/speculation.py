@@ -78,7 +78,8 @@ class Speculation:
             self.stats.record_launch(out.scheduled, out.num_batched_tokens, launched.padded,
                                      core.runner.layout_pad_tokens)
         verified = launched is not None and any(s.drafts for s in out.scheduled)
-        due = core.due(launched, keep_in_flight=core.overlap and not verified)
+        keep = core.overlap and not verified and not core.structured.in_step(out)
+        due = core.due(launched, keep_in_flight=keep)
         for step in due:
             deltas += self._resolve(step)
         if budget is not None:
@@ -111,9 +112,12 @@ class Speculation:
     # Drafting ------------------------------------------------------------------------------
 
     def _decoding(self) -> list[Request]:
-        """Running requests whose next step decodes one token (the ones that may draft)."""
+        """Running requests whose next step decodes one token (the ones that may draft).
+        Requests with structured outputs never draft: a verify would need a grammar mask per
+        row, each from the drafts before it (``structured.masks``)."""
         return [r for r in self.core.scheduler.running
-                if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens]
+                if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens
+                and r.grammar is None]
 
     def _generating(self) -> list[Request]:
         """Running requests with output tokens (with a step in flight, a decoding request's

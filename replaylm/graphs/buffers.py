@@ -17,6 +17,10 @@ Inputs that stay on the device:
 - ``slot_tables`` ``[S+1, max_blocks]``: each slot's block table, updated incrementally (only
   the blocks a request gained since its last step are copied). A step's block table is a
   gather of its requests' rows. Row ``S`` is all zeros: padded requests point at it.
+- ``token_bitmask`` ``[S+1, ceil(V/32)]`` int32 and ``bitmask_on`` ``[S+1]`` int32 (with
+  ``vocab_size``): each slot's structured-output token mask and whether it applies
+  (``sampling.bitmask``), written by ``replaylm.structured`` before a step that samples a
+  constrained request. Row ``S`` (the scratch slot) is never on.
 
 Padding (``replaylm.batch``): padded tokens write scratch block 0 and belong to no request
 (``cu_seqlens_q[B..] = T``), padded requests have ``kv_lens = 0`` and the zero table row,
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from replaylm.batch import AttentionMetadata, ForwardBatch, HostBatch
+from replaylm.sampling.bitmask import bitmask_words
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,8 @@ class StaticBuffers:
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, max_num_seqs: int, max_blocks: int,
-                 device: torch.device, max_kv_len: int, max_logits: int | None = None) -> None:
+                 device: torch.device, max_kv_len: int, max_logits: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.max_tokens, self.max_reqs, self.max_kv_len = max_tokens, max_reqs, max_kv_len
         self.max_logits = max_reqs if max_logits is None else max_logits
         n_l = self.max_logits
@@ -107,12 +113,19 @@ class StaticBuffers:
         self._upd_dev = torch.zeros(2 * cap, dtype=torch.int32, device=device)
         self._upd_stages = [torch.zeros(2 * cap, dtype=torch.int32, pin_memory=pin)
                             for _ in range(2)]
+        words = bitmask_words(vocab_size) if vocab_size is not None else 1
+        self.token_bitmask = torch.zeros(s1, words, dtype=torch.int32, device=device)
+        self.bitmask_on = torch.zeros(s1, dtype=torch.int32, device=device)
+        # Host mirror: whether any slot's flag is on. Eager steps skip the mask op while it
+        # is False (graphs always run it: a flag-0 row is left as it is).
+        self.bitmask_any = False
 
     def getters(self) -> dict[str, object]:
         """Name -> getter of every static buffer (for the stand-in's address checks)."""
         names = ("input_ids", "token_source", "gather", "positions", "slot_mapping",
                  "cu_seqlens_q", "kv_lens", "req_slots", "block_table", "slot_tables",
-                 "logits_indices", "sample_slots", "sample_out_pos")
+                 "logits_indices", "sample_slots", "sample_out_pos", "token_bitmask",
+                 "bitmask_on")
         return {n: (lambda n=n: getattr(self, n)) for n in names}
 
     def fill_padding(self) -> None:

@@ -33,6 +33,7 @@ from replaylm.graphs.piecewise import PiecewiseGraphs
 from replaylm.graphs.policy import Dispatch, GraphPolicy
 from replaylm.graphs.whole import WholeModelGraphs, run_whole_model
 from replaylm.model.llama import CausalLM
+from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,8 @@ class GraphRuntime:
         # drafts); the logits rows are sized by it, up to the token count.
         self.buffers = StaticBuffers(top_tokens, min(top_tokens, max_num_seqs), max_num_seqs,
                                      max_blocks, device, max_model_len,
-                                     max_logits=min(top_tokens, max_num_seqs * rows_per_req))
+                                     max_logits=min(top_tokens, max_num_seqs * rows_per_req),
+                                     vocab_size=model.cfg.vocab_size)
         self.last_token = self.buffers.last_token
         self.whole = (WholeModelGraphs(model, self.buffers, max_num_seqs, top)
                       if policy.uses_whole else None)
@@ -283,7 +285,8 @@ class GraphRuntime:
             if d.pad_to:
                 host = host.padded(d.pad_to, self.buffers.scratch_slot)
             batch = self.eager_batch(host)
-            logits, greedy = run_whole_model(self.model, self.buffers, batch)
+            logits, greedy = run_whole_model(self.model, self.buffers, batch,
+                                             masks=self.buffers.bitmask_any)
             return StepResult(logits, greedy, batch, d, host.num_tokens)
         key = f"{d.mode}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
@@ -292,6 +295,9 @@ class GraphRuntime:
         check = self._check_label(key)
         if d.mode == "piecewise":
             logits, batch = self.piecewise.run(host, d.tier, check)
+            if self.buffers.bitmask_any:  # eager, between the piecewise graphs
+                apply_token_bitmask(logits, self.buffers.token_bitmask, self.buffers.bitmask_on,
+                                    batch.sample_slots)
             greedy = argmax_rows(logits, self.last_token, batch.sample_slots)
         else:
             logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check)

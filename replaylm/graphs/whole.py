@@ -1,8 +1,9 @@
 """Whole-model graphs: one capture of the entire step per tier (``full`` and ``ragged``).
 
 A step on the device is: inputs gathered and embedded (one launch), the model with its final
-norm on the logits rows only, the LM head into the shared logits buffer, and greedy samples
-written to ``last_token``. ``full`` graphs are keyed by request count, every request one
+norm on the logits rows only, the LM head into the shared logits buffer, the structured-output
+token masks of constrained rows (``sampling.bitmask``), and greedy samples written to
+``last_token``. ``full`` graphs are keyed by request count, every request one
 token (``tier`` tokens, ``tier`` slots); ``ragged`` graphs by total tokens, with
 ``min(tier, S)`` request slots, so any mix of query lengths whose total fits replays one
 graph.
@@ -16,20 +17,27 @@ from replaylm.batch import ForwardBatch, HostBatch
 from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.graph import Graph, check_bits
 from replaylm.model.llama import CausalLM
+from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.sampler import argmax_rows
 
 
 def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
-                    out: torch.Tensor | None = None, gather: bool = True) -> list[torch.Tensor]:
+                    out: torch.Tensor | None = None, gather: bool = True,
+                    masks: bool = True) -> list[torch.Tensor]:
     """The step on the device: ``[logits, greedy]``. ``gather=False`` reuses the inputs a
     replay already gathered (the graph check re-runs a replayed step). Eager steps run this
-    too, unpadded."""
+    too, unpadded; ``masks=False`` (an eager step while no slot is constrained) skips the
+    structured-output masks, which would change nothing."""
     embedded = None
     if gather and b.gather is not None:
         embedded = buffers.gather_inputs(b, model.gather_embedding,
                                          fused=model.kernels is not None)
     hidden = model(b.input_ids, b.positions, b.meta, embedded, rows=b.logits_indices)
     logits = model.compute_logits(hidden, out)
+    # Structured outputs: constrained rows' forbidden tokens to -inf (rows of unconstrained
+    # slots untouched), before the greedy argmax and the sampler read the logits.
+    if masks:
+        apply_token_bitmask(logits, buffers.token_bitmask, buffers.bitmask_on, b.sample_slots)
     return [logits, argmax_rows(logits, buffers.last_token, b.sample_slots)]
 
 

@@ -41,6 +41,7 @@ from replaylm.server.protocol import (
     from_value_error,
     native_n_supported,
     sampling_params,
+    structured_params,
 )
 from replaylm.server.responses import LogprobFormatter, Shapes
 
@@ -178,7 +179,7 @@ def build_app(core: Engine, max_queue: int = 1024,
                 params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
             await workers.check(params)
         except ValueError as e:
-            raise from_value_error(e, param) from e
+            raise from_value_error(e, param, structured_params(body)[1]) from e
         k = body.n * (1 if prompts is None else len(prompts))
         if k > engine.max_queue:  # could never be admitted: the client must split it
             field = "n" if body.n > engine.max_queue else param

@@ -6,7 +6,8 @@ worker threads, each with its own copy of the tokenizer (a fast tokenizer must n
 from two threads at once while one of them may change its settings), and the engine thread
 receives token ids it only has to check for length and vocabulary. What can be checked
 without the engine (its limits on a request's settings) is checked here too, and a request's
-stop-string automaton is built here, so the engine finds it cached.
+stop-string automaton and structured-output grammar are built here, so the engine finds them
+cached (a grammar that does not compile in time is a 400, and never reaches the engine).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from replaylm.engine.stop_strings import stop_automaton
 from replaylm.engine.validation import validate_features
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.protocol import APIError
+from replaylm.structured.compiler import compile_for
 
 T = TypeVar("T")
 
@@ -92,5 +94,8 @@ class PromptWorkers:
                                   has_tokenizer=core.tokenizer is not None)
                 if sp.stop:
                     stop_automaton(tuple(sp.stop))
+                if sp.structured_outputs is not None:  # compiled now, cached for the engine
+                    compile_for(sp.structured_outputs, core.args, core.model_config,
+                                self._tokenizer())
 
         await self._run(check)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replaylm.sampling_params import SamplingParams
+from replaylm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -59,9 +59,13 @@ def from_validation_error(err: ValidationError) -> APIError:
 _SP_FIELD = re.compile(r"^SamplingParams\.(\w+)=")
 
 
-def from_value_error(err: ValueError, prompt_param: str = "prompt") -> APIError:
-    """Map the engine's ``ValueError`` (its message names the field) to a 400."""
+def from_value_error(err: ValueError, prompt_param: str = "prompt",
+                     structured_param: str | None = None) -> APIError:
+    """Map the engine's ``ValueError`` (its message names the field) to a 400;
+    ``structured_param``: the body field a structured-output spec came from."""
     msg = str(err)
+    if msg.startswith("SamplingParams.structured_outputs"):
+        return APIError(msg, param=structured_param or "structured_outputs")
     m = _SP_FIELD.search(msg)
     if m:
         return APIError(msg, param=m.group(1))
@@ -113,6 +117,14 @@ class _SamplingBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs extension and
+    # its older guided_* fields (``structured_params``).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -232,6 +244,9 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
         if not engine_supports(name) or (name == "logprobs" and not logprob_support):
             raise APIError(f"{name} is not supported by this engine build yet", param=name)
         kw[name] = value
+    so, source = structured_params(body)
+    if so is not None:
+        kw["structured_outputs"] = so
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -240,6 +255,55 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
             raise APIError(f"{max_tokens_field}={str(e)[len(prefix):]}",
                            param=max_tokens_field) from e
         raise
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_params(body: _SamplingBody) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured-output spec and the body field it came from: at most one of
+    ``response_format`` (``json_object``, ``json_schema``; ``text`` is none),
+    ``structured_outputs`` ({json|regex|choice|grammar|json_object}) and ``guided_*``. A bad
+    one is an :class:`APIError` naming the field."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict | bool):
+                raise APIError("response_format.json_schema must be an object with a 'name' and "
+                               "a 'schema' (a JSON schema object)", param="response_format")
+            schema = js.get("schema", {})  # OpenAI: no schema means any JSON object
+            found.append(("response_format",
+                          {"json": schema if schema not in ({}, True) else {"type": "object"}}))
+        elif kind != "text":
+            raise APIError(f"response_format.type={kind!r} is invalid: must be text, "
+                           "json_object or json_schema", param="response_format")
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - set(_SO_KINDS))
+        if unknown:
+            raise APIError(f"structured_outputs.{unknown[0]} is not supported: give one of "
+                           f"{', '.join(_SO_KINDS)}", param="structured_outputs")
+        found.append(("structured_outputs", dict(body.structured_outputs)))
+    for name, kind in _GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one "
+                       "structured-output constraint", param=found[1][0])
+    source, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields), source
+    except ValueError as e:
+        raise APIError(str(e), param=source) from e
 
 
 def _sibling_seed(seed: int, i: int) -> int:

@@ -1,0 +1,142 @@
+"""Per-request grammar state and the per-slot token masks of one engine.
+
+Each constrained request holds an xgrammar ``GrammarMatcher`` (``Request.grammar``). Before a
+step that samples it, ``prepare`` fills the matcher's next-token bitmask on the host (xgrammar's
+``fill_next_token_bitmask``) into the request's slot row and copies that row into the graphs'
+static ``token_bitmask`` buffer; the slot's ``bitmask_on`` flag says the row applies. The
+captured step applies it to the row's logits before the greedy argmax (``graphs.whole``), and
+the sampler reads the masked logits, so constrained steps replay graphs like any other.
+
+**Overlap rule.** A mask for step N+1 depends on the token step N samples. With overlap
+scheduling step N+1 is built before step N's tokens reach the host, so a step that samples a
+constrained request is resolved before the next step is built (``in_step``: the core then does
+not keep it in flight). That is the simplest correct rule: the grammar state is always current
+when a mask is filled, and a matcher never has to guess the token in flight. Steps with only
+unconstrained requests overlap exactly as before (nothing here runs for them once no
+constrained request is left). A constrained request's prefill chunks that sample nothing do
+not need its grammar state, so they may overlap too.
+
+**Speculative decoding.** Constrained requests do not draft (``engine.speculation``): their
+steps sample one row each, so one mask row per slot suffices. A verify step's accepted tokens
+would all be accepted here (``advance`` walks every emitted token), but drafting under a
+grammar needs per-row masks and is left for later.
+
+**Termination.** When the grammar is complete only the stop tokens (the model's EOS ids) are
+allowed; accepting one terminates the matcher. A request whose matcher terminated is finished
+(``finished_by_grammar``) even when EOS would not stop it (``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from replaylm.graphs.buffers import StaticBuffers
+from replaylm.sampling.bitmask import bitmask_words
+
+
+class StructuredOutputs:
+    """The host side of the masks: matchers' bitmask rows, the slot flags, the accepted tokens.
+
+    ``buffers``: the graphs' static buffers (``graphs.buffers.StaticBuffers``): their
+    ``token_bitmask`` and ``bitmask_on`` on the device, and ``bitmask_any``, kept here.
+    """
+
+    def __init__(self, buffers: StaticBuffers, vocab_size: int) -> None:
+        self.buffers = buffers
+        token_bitmask, bitmask_on = buffers.token_bitmask, buffers.bitmask_on
+        self.device_mask, self.device_on = token_bitmask, bitmask_on
+        slots = bitmask_on.shape[0]
+        pin = token_bitmask.device.type == "cuda"
+        self.host_mask = torch.zeros(slots, bitmask_words(vocab_size), dtype=torch.int32,
+                                     pin_memory=pin)
+        self._on = [0] * slots  # host mirror of bitmask_on
+        self._num_on = 0
+        self._owner: list[Any] = [None] * slots  # the constrained request a flag is on for
+        self.requests: set[Any] = set()  # unfinished constrained requests
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is constrained or any slot flag is still on (``prepare`` runs
+        only then: unconstrained traffic pays nothing here)."""
+        return bool(self.requests) or self._num_on > 0
+
+    def add(self, req: Any, matcher: Any) -> None:
+        req.grammar = matcher
+        self.requests.add(req)
+
+    def release(self, req: Any) -> None:
+        """``req`` finished: forget its matcher and turn its slot's flag off (stream-ordered
+        after every launched step that sampled it; ``prepare`` also catches any missed)."""
+        if req.grammar is None:
+            return
+        self.requests.discard(req)
+        for slot, owner in enumerate(self._owner):  # its slot may be released already
+            if owner is req:
+                self._set_flag(slot, None)
+
+    def in_step(self, out: Any) -> bool:
+        """Whether step ``out`` samples a constrained request (then it must resolve before
+        the next step is built)."""
+        if not self.requests:
+            return False
+        return any(s.sample and s.request.grammar is not None for s in out.scheduled)
+
+    def prepare(self, out: Any) -> None:
+        """Before step ``out`` launches: slot flags of newly slotted requests, and the mask
+        row of every constrained request the step samples (stream-ordered with the step)."""
+        done = [r for r in self.requests if r.is_finished]
+        for req in done:
+            self.requests.discard(req)
+        for slot, owner in enumerate(self._owner) if done else ():
+            if owner is not None and owner.is_finished:  # its slot is free (or newly taken)
+                self._set_flag(slot, None)
+        for req in out.newly_slotted:
+            self._set_flag(req.slot, req if req.grammar is not None else None)
+        for s in out.scheduled:
+            req = s.request
+            if not s.sample or req.grammar is None:
+                continue
+            slot = req.slot
+            req.grammar.fill_next_token_bitmask(self.host_mask, slot)
+            self.device_mask[slot].copy_(self.host_mask[slot], non_blocking=True)
+
+    def _set_flag(self, slot: int, owner: Any) -> None:
+        """Flag ``slot`` on for constrained request ``owner``, or off (``None``)."""
+        self._owner[slot] = owner
+        on = int(owner is not None)
+        if self._on[slot] != on:
+            self._on[slot] = on
+            self._num_on += 1 if on else -1
+            self.buffers.bitmask_any = self._num_on > 0
+            self.device_on[slot: slot + 1].fill_(on)
+
+    def advance(self, out: Any, sampled: list[int]) -> list[tuple[Any, Exception]]:
+        """Accept each constrained request's tokens of a resolved step (every token a verify
+        emitted, in order); returns the requests whose token the grammar refused."""
+        failed = []
+        row = 0
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            rows = sampled[row: row + len(s.drafts) + 1]
+            row += len(s.drafts) + 1
+            req = s.request
+            if req.grammar is None or req.is_finished:
+                continue
+            for token in rows:
+                if token < 0:
+                    break
+                if req.grammar.is_terminated():
+                    break  # tokens after the grammar's end are the stop checks' business
+                if not req.grammar.accept_token(token):
+                    failed.append((req, ValueError(
+                        f"token {token} does not continue the request's structured output")))
+                    break
+        return failed
+
+    @staticmethod
+    def finished_by_grammar(req: Any) -> bool:
+        """A running request whose grammar has terminated (it accepted a stop token)."""
+        return req.grammar is not None and not req.is_finished and req.grammar.is_terminated()
