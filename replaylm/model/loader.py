@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +83,6 @@ def iter_checkpoint_slices(files: list[Path]) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"unreadable safetensors file {f}: {e}") from e
 
 
-@dataclass(frozen=True)
 def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
                  full_cfg: ModelConfig | None = None) -> None:
     """Copy checkpoint tensors into the model, checking every shape; all parameters must load.

@@ -11,6 +11,7 @@ data-parallel attention, ``dp_attention_slice``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ def target_of(name: str, cfg: ModelConfig) -> Target | None:
 
 
 
+@dataclass(frozen=True)
 class Placement:
     """Where one checkpoint tensor goes in a model: the parameter (``pname``), its expert and
     shard, ``dst`` (the view of the parameter's data this rank fills from it), ``shape`` (the
