@@ -52,7 +52,9 @@ UNRELATED_ARGS = frozenset({
     "model", "tokenizer", "seed", "load_format", "skip_tokenizer_init", "compile_ahead",
     "shipped_tuning_table", "tuning_compile_threads", "gpu_memory_utilization",
     "num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs", "max_stop_strings",
-    "max_stop_string_length", "distributed_timeout_s", "graph_check"})
+    "max_stop_string_length", "distributed_timeout_s", "graph_check", "enable_sleep_mode",
+    "structured_outputs_any_whitespace", "structured_outputs_compile_timeout_s",
+    "structured_outputs_compile_threads"})
 
 #: Model config fields no kernel sees: a checkpoint, its instruct variant and its named shape
 #: share plans.
