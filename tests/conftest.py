@@ -33,6 +33,14 @@ if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(THREADS)
 
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: two workers per core. Much of this suite waits on processes it starts
+    (servers, ranks, bench runs), and a second worker per core keeps the core busy then."""
+    return 2 * (os.cpu_count() or 1)
+
+
 TINY = {
     "llama": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
