@@ -12,14 +12,14 @@ scheduling step N+1 is built before step N's tokens reach the host, so a step th
 constrained request is resolved before the next step is built (``in_step``: the core then does
 not keep it in flight). That is the simplest correct rule: the grammar state is always current
 when a mask is filled, and a matcher never has to guess the token in flight. Steps with only
-unconstrained requests overlap exactly as before (nothing here runs for them once no
-constrained request is left). A constrained request's prefill chunks that sample nothing do
+unconstrained requests overlap as usual (nothing here runs for them once no constrained
+request is left). A constrained request's prefill chunks that sample nothing do
 not need its grammar state, so they may overlap too.
 
 **Speculative decoding.** Constrained requests do not draft (``engine.speculation``): their
 steps sample one row each, so one mask row per slot suffices. A verify step's accepted tokens
 would all be accepted here (``advance`` walks every emitted token), but drafting under a
-grammar needs per-row masks and is left for later.
+grammar would need per-row masks, which this module does not build.
 
 **Termination.** When the grammar is complete only the stop tokens (the model's EOS ids) are
 allowed; accepting one terminates the matcher. A request whose matcher terminated is finished
