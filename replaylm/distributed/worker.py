@@ -202,25 +202,17 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         return "ok", core.abort(*args)
     if op == "stats":
         return "ok", _snapshot(core)
-    if op == "update_weights":
-        payload, target = args
+    if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache"):
+        call = (from_wire(args[0]), args[1]) if op == "update_weights" else args
         try:
-            result = core.update_weights(from_wire(payload), target)
-        except ValueError as e:
-            return "invalid", str(e)
-        except RuntimeError as e:  # asleep, or the graph audit after the update
-            return "refused", (type(e).__name__, str(e))
-        if target == "model" and core.runner.broadcast is not None:
-            core.runner.broadcast(("update_weights", payload))  # the followers' shards
-        return "ok", result
-    if op in ("sleep", "wake_up", "audit_graphs", "reset_prefix_cache"):
-        try:
-            result = getattr(core, op)(*args)
+            result = getattr(core, op)(*call)
         except ValueError as e:
             return "invalid", str(e)
         except RuntimeError as e:  # asleep or awake already, or a graph audit's finding
             return "refused", (type(e).__name__, str(e))
-        if op in ("sleep", "wake_up") and core.runner.broadcast is not None:
-            core.runner.broadcast((op, *args))  # the followers' shards
+        # The followers' shards follow what the leader's did (a draft model is the leader's).
+        follow = op in ("sleep", "wake_up") or (op == "update_weights" and args[1] == "model")
+        if follow and core.runner.broadcast is not None:
+            core.runner.broadcast((op, *args[:1]))
         return "ok", result
     raise ValueError(f"unknown worker message {op!r}")

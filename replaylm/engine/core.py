@@ -95,7 +95,6 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
         self.agree: Agree | None = None
-        self.sleep_level = 0  # 0: awake (``sleep``)
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)

@@ -24,7 +24,6 @@ from replaylm.engine.runner_setup import (
 )
 from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.engine.step_input import (
-    Accept,
     StepInput,
     from_leader,
     prompt_plan,
@@ -47,7 +46,13 @@ from replaylm.model.parallel import (
 )
 from replaylm.model.weight_update import Source, WeightUpdate, update_weights
 from replaylm.sampling.bitmask import apply_token_bitmask
-from replaylm.sampling.step import PendingStep, PromptLogprobPlan, SampleRows, StepSampler
+from replaylm.sampling.step import (
+    Accept,
+    PendingStep,
+    PromptLogprobPlan,
+    SampleRows,
+    StepSampler,
+)
 from replaylm.speculative.acceptance import emitted_rows
 from replaylm.speculative.config import SpecConfig
 
@@ -313,10 +318,6 @@ class ModelRunner(RunnerStartup, KVSizing):
         if self.sleeper is None:
             raise ValueError("wake_up needs EngineArgs.enable_sleep_mode=True")
         return self.sleeper.wake()
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.sleeper is not None and self.sleeper.asleep
 
     def audit_graphs(self) -> AuditReport:
         """The pointer audit of every captured graph (``graphs.audit``)."""

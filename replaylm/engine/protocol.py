@@ -41,7 +41,8 @@ class Engine(Protocol):
     any worker. ``update_weights`` copies new weights into the model's buffers in place
     (``model.weight_update``); ``sleep``/``wake_up`` free and map back the memory of the
     weights and the KV pool at the same addresses (``memory.sleep``), ``audit_graphs`` checks
-    the captured graphs' addresses (``graphs.audit``). ``shutdown()`` ends whatever processes the engine holds (idempotent).
+    the captured graphs' addresses (``graphs.audit``). ``shutdown()`` ends whatever processes
+    the engine holds (idempotent).
     """
 
     args: EngineArgs

@@ -4,7 +4,6 @@ verify's acceptance rule crosses the group."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ from replaylm.engine.scheduler import SchedulerOutput
 from replaylm.model.parallel import (
     TensorParallel,
 )
-from replaylm.sampling.step import PromptLogprobPlan
+from replaylm.sampling.step import Accept, PromptLogprobPlan
 
 
 @dataclass
@@ -45,9 +44,6 @@ class StepInput:
             plan = dataclasses.replace(plan, spans=[])
         return StepInput(host, admitted, plan, accept_from_leader)
 
-
-#: A verify's acceptance rule: (processed logits, sampled tokens) -> the tokens kept.
-Accept = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sent_to_group(accept: Accept, tp: TensorParallel) -> Accept:

@@ -21,14 +21,13 @@ log = logging.getLogger(__name__)
 
 class WeightsAndSleep:
     """Reads the engine's ``args``, ``runner``, ``block_manager``, ``scheduler``,
-    ``requests``, ``sleep_level``, and calls its ``has_unfinished`` and ``drafter``."""
+    ``requests``, and calls its ``has_unfinished`` and ``drafter``."""
 
     args: EngineArgs
     runner: ModelRunner
     block_manager: BlockManager
     scheduler: Scheduler
     requests: dict[str, list[Request]]
-    sleep_level: int
 
     def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
         """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
@@ -63,7 +62,6 @@ class WeightsAndSleep:
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
         report = self.runner.sleep(level)
         self.block_manager.drop_cached_blocks()
-        self.sleep_level = level
         log.info("asleep (level %d): %.2f GiB freed on the device in %.2f s", level,
                  report.freed_bytes / 2**30, report.seconds)
         return report
@@ -76,10 +74,15 @@ class WeightsAndSleep:
         if not self.is_sleeping():
             raise RuntimeError("wake_up: the engine is not asleep")
         report = self.runner.wake_up()
-        self.sleep_level = 0
         if self.args.graph_check:
             report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
         return report
+
+    @property
+    def sleep_level(self) -> int:
+        """The level the engine sleeps at (0: awake), as its memory's ``Sleeper`` holds it."""
+        sleeper = self.runner.sleeper
+        return sleeper.level if sleeper is not None else 0
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0

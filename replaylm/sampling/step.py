@@ -40,6 +40,8 @@ class PromptLogprobPlan:
 
 #: Maps a step's sampled tokens to other tokens of the same shape.
 TokenMap = Callable[[torch.Tensor], torch.Tensor]
+#: A verify's acceptance rule: (processed logits, sampled tokens) -> the tokens kept.
+Accept = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -68,7 +70,7 @@ class SampleRows:
     greedy: torch.Tensor | None = None
     host_view: TokenMap | None = None
     draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
-    accept: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    accept: Accept | None = None
 
 
 @dataclass
