@@ -16,7 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from replaylm.sampling_params import SamplingParams, StructuredOutputsParams
+from replaylm.sampling_params import (
+    STRUCTURED_KINDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -259,7 +263,6 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
-_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def structured_params(body: _SamplingBody) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -285,10 +288,10 @@ def structured_params(body: _SamplingBody) -> tuple[StructuredOutputsParams | No
             raise APIError(f"response_format.type={kind!r} is invalid: must be text, "
                            "json_object or json_schema", param="response_format")
     if body.structured_outputs is not None:
-        unknown = sorted(set(body.structured_outputs) - set(_SO_KINDS))
+        unknown = sorted(set(body.structured_outputs) - set(STRUCTURED_KINDS))
         if unknown:
             raise APIError(f"structured_outputs.{unknown[0]} is not supported: give one of "
-                           f"{', '.join(_SO_KINDS)}", param="structured_outputs")
+                           f"{', '.join(STRUCTURED_KINDS)}", param="structured_outputs")
         found.append(("structured_outputs", dict(body.structured_outputs)))
     for name, kind in _GUIDED.items():
         value = getattr(body, name)
