@@ -230,8 +230,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         if self.speculation is None:
             out = self.scheduler.schedule()
             launched, deltas = self.launch(out)
-            keep = self.overlap and not self.structured.in_step(out)
-            for due in self.due(launched, keep_in_flight=keep):
+            for due in self.due(launched, keep_in_flight=self.overlap):
                 deltas += self.resolve(due)
         else:
             launched, deltas = self.speculation.step()
@@ -249,6 +248,8 @@ class EngineCore(RequestChecks, WeightsAndSleep):
                 self.runner.idle(self.agree)
             return None, []
         if self.structured.busy:  # masks of the constrained requests this step samples
+            if self.inflight is not None and self.structured.in_step(out):
+                self.advance_grammars(self.inflight)  # the masks continue its tokens
             self.structured.prepare(out)
         obs = self.step_observer
         pending, dispatch, padded = self.runner.execute(out, on_launch=obs.launching,
@@ -277,16 +278,25 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         return self.apply(step, self.wait(step))
 
     def wait(self, step: Launched) -> list[int]:
-        """A launched step's sampled tokens, on the host."""
-        t0 = time.perf_counter()
-        sampled = step.pending.tokens() if step.pending is not None else []
-        self.step_observer.waited(time.perf_counter() - t0)
-        return sampled
+        """A launched step's sampled tokens, on the host (waited for once)."""
+        if step.sampled is None:
+            t0 = time.perf_counter()
+            step.sampled = step.pending.tokens() if step.pending is not None else []
+            self.step_observer.waited(time.perf_counter() - t0)
+        return step.sampled
+
+    def advance_grammars(self, step: Launched) -> None:
+        """Let the grammars of ``step``'s constrained requests take its tokens now, ahead of
+        the rest of ``apply`` (``structured.masks``: the overlap rule)."""
+        if step.refused is None:
+            step.refused = self.structured.advance(step.out, self.wait(step))
 
     def apply(self, step: Launched, sampled: list[int]) -> list[RequestDelta]:
         """Apply a step's samples to its requests: outputs, stop checks, deltas."""
         attach_logprobs(step.out, step.pending, sampled)
-        refused = self.structured.advance(step.out, sampled) if self.structured.requests else []
+        if step.refused is None and self.structured.requests:
+            self.advance_grammars(step)
+        refused = step.refused or []
         changed = self.scheduler.update(step.out, sampled)
         deltas = [self._fail(req, e) for req, e in refused]
         for req in changed:
