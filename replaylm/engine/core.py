@@ -247,12 +247,16 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             if self.agree is not None:
                 self.runner.idle(self.agree)
             return None, []
-        if self.structured.busy:  # masks of the constrained requests this step samples
-            if self.inflight is not None and self.structured.in_step(out):
-                self.advance_grammars(self.inflight)  # the masks continue its tokens
-            self.structured.prepare(out)
         obs = self.step_observer
-        pending, dispatch, padded = self.runner.execute(out, on_launch=obs.launching,
+
+        def before_launch() -> None:  # the host batch is built; nothing is on the device yet
+            if self.structured.busy:  # masks of the constrained requests this step samples
+                if self.inflight is not None and self.structured.in_step(out):
+                    self.advance_grammars(self.inflight)  # the masks continue its tokens
+                self.structured.prepare(out)
+            obs.launching()
+
+        pending, dispatch, padded = self.runner.execute(out, on_launch=before_launch,
                                                         agree=self.agree)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
         self.scheduler.launched(out)
