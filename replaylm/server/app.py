@@ -43,7 +43,7 @@ from replaylm.server.protocol import (
     sampling_params,
     structured_params,
 )
-from replaylm.server.responses import LogprobFormatter, Shapes
+from replaylm.server.responses import Echo, LogprobFormatter, Shapes
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,11 @@ def build_app(core: Engine, max_queue: int = 1024,
                        prompts: list[str | list[int]] | None) -> Any:
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
+        # Only sibling 0 of an engine-run group scores the prompt: echoed prompt logprobs
+        # for every choice need a request per choice.
+        per_choice_prompt = not chat and body.prompt_logprobs is not None
         try:  # every choice's params first: a bad value must not leave siblings running
-            if app.state.native_n or body.n == 1:
+            if (app.state.native_n and not per_choice_prompt) or body.n == 1:
                 params = [sampling_params(body, 0, with_logprobs, n=body.n)]
             else:
                 params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
@@ -197,13 +200,18 @@ def build_app(core: Engine, max_queue: int = 1024,
         lp = None if top_k is None else LogprobFormatter(core.tokenizer, chat, top_k)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         shapes = Shapes(response_id, int(time.time()), served, chat)
-        gen = Generation(engine, shapes, k, body.include_usage, lp, param)
+        echo = not chat and body.echo
+        gen = Generation(engine, shapes, k, body.include_usage, lp, param,
+                         score_only=not chat and body.score_only)
         try:
             try:  # on the prompt workers: a long prompt never stalls the engine thread
                 if chat:
                     ids = [await workers.chat_ids([m.as_template_dict() for m in body.messages])]
                 else:
                     ids = list(await asyncio.gather(*(workers.prompt_ids(p) for p in prompts)))
+                if echo:
+                    gen.echo = [Echo(p if isinstance(p, str) else await workers.prompt_text(i), i)
+                                for p, i in zip(prompts, ids)]
             except ValueError as e:
                 raise from_value_error(e, param) from e
             await gen.start(ids, params, body.n)

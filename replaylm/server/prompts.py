@@ -61,6 +61,15 @@ class PromptWorkers:
             return list(prompt)
         return await self._run(lambda: self.core.tokenize(prompt, tokenizer=self._tokenizer()))
 
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """The text of a token-id prompt, special tokens included (what ``echo`` returns for
+        it); empty without a tokenizer."""
+        def decode() -> str:
+            tok = self._tokenizer()
+            return "" if tok is None else tok.decode(token_ids, skip_special_tokens=False)
+
+        return await self._run(decode)
+
     async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied to ``messages`` and tokenized (the rendered template
         carries its own special tokens, so none are added)."""

@@ -136,13 +136,29 @@ class _SamplingBody(BaseModel):
 
 
 class CompletionRequest(_SamplingBody):
-    """``POST /v1/completions``; ``prompt`` may be text, token ids, or a list of either."""
+    """``POST /v1/completions``; ``prompt`` may be text, token ids, or a list of either.
+
+    ``echo`` prepends each prompt to its choices' text and, with ``logprobs``, the prompt
+    tokens' logprobs (the first ``null``) to the completion's; ``max_tokens=0`` with ``echo``
+    scores the prompt alone (``score_only``): what evaluation harnesses send for
+    loglikelihoods.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+
+    @property
+    def score_only(self) -> bool:
+        """Echo the prompt and generate nothing (``echo`` with ``max_tokens=0``)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt logprobs an echo with ``logprobs`` needs (their top-k), else None."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -155,8 +171,6 @@ class CompletionRequest(_SamplingBody):
         if not out or any(len(x) == 0 for x in out):
             raise APIError("prompt is empty: a request needs at least one prompt token",
                            param="prompt")
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of must equal n (ranking candidates is not supported)",
                            param="best_of")
@@ -227,8 +241,15 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
             max_tokens_field = "max_completion_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
-        kw["max_tokens"] = body.max_tokens
+        # Scoring a prompt samples one token (the engine runs a request to its first sample,
+        # which also delivers the prompt logprobs) that the answer leaves out, as vLLM does.
+        kw["max_tokens"] = 1 if body.score_only else body.max_tokens
         logprobs = body.logprobs
+        if body.prompt_logprobs is not None:
+            if not engine_supports("prompt_logprobs"):
+                raise APIError("echo with logprobs is not supported by this engine build",
+                               param="echo")
+            kw["prompt_logprobs"] = body.prompt_logprobs
     if body.stop_token_ids:
         kw["stop_token_ids"] = body.stop_token_ids
     if body.seed is not None:

@@ -67,6 +67,30 @@ class LogprobFormatter:
             text_offset += len(text)
         return out
 
+    def format_prompt(self, token_ids: list[int],
+                      entries: list[Any] | None) -> dict[str, Any] | None:
+        """An echoed prompt's legacy logprobs object: every prompt token, the first with
+        ``null`` logprob and alternatives (nothing predicts it), text offsets from 0."""
+        if entries is None or self.chat:
+            return None
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        offset = 0
+        for t, e in zip(token_ids, entries):
+            text = self._text(t)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            _, lp, top = _entry(e)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(
+                {self._text(k): v for k, v in list(top.items())[: self.top_k]})
+        return out
+
     def _chat_item(self, token_id: int, e: Any) -> dict[str, Any]:
         tid, lp, top = _entry(e)
         text = self._text(token_id if tid is None else tid)
@@ -132,10 +156,19 @@ class Shapes:
 
 
 @dataclass
+class Echo:
+    """A completion prompt to echo: its text (as sent, or its ids decoded) and its ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
 class ChoiceState:
     """One choice's text so far (non-streaming answers, and logprob text offsets)."""
 
     text: str = ""
+    started: bool = False
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
