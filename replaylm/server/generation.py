@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from replaylm.engine.outputs import RequestDelta
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.engine_loop import EngineFailure, EngineLoop, ShuttingDown
-from replaylm.server.protocol import APIError, from_value_error
+from replaylm.server.protocol import APIError, ToolPlan, from_value_error
 from replaylm.server.responses import (
     ChoiceState,
     Echo,
@@ -32,6 +32,7 @@ from replaylm.server.responses import (
     sse,
     usage,
 )
+from replaylm.server.tool_calls import ToolCallStream, parse
 
 
 class Generation:
@@ -39,9 +40,11 @@ class Generation:
 
     def __init__(self, loop: EngineLoop, shapes: Shapes, n_choices: int, include_usage: bool,
                  logprobs: LogprobFormatter | None, prompt_param: str,
-                 echo: list[Echo] | None = None, score_only: bool = False) -> None:
+                 echo: list[Echo] | None = None, score_only: bool = False,
+                 tools: ToolPlan | None = None) -> None:
         """``echo``: the prompts to echo, one per prompt (None: no echo); ``score_only``:
-        answer the echo alone, without the sampled token."""
+        answer the echo alone, without the sampled token; ``tools``: a chat request's tool
+        handling (its parser turns the output into ``tool_calls``)."""
         self.loop = loop
         self.shapes = shapes
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -51,6 +54,7 @@ class Generation:
         self.prompt_param = prompt_param
         self.echo = echo
         self.score_only = score_only
+        self.tools = tools if tools is not None and tools.parser is not None else None
         self._n = 1  # choices per prompt
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -140,6 +144,13 @@ class Generation:
             async for choice, _, _, lp in self.deltas():
                 state = self.choices[choice]
                 state.logprobs = merge_logprobs(state.logprobs, lp)
+            if self.tools is not None:
+                for state in self.choices:
+                    parsed = parse(self.tools.parser, state.text, set(self.tools.names))
+                    if parsed.calls:
+                        state.text = parsed.content or ""
+                        state.tool_calls = [c.as_dict() for c in parsed.calls]
+                        state.finish_reason = "tool_calls"
             return self.shapes.final(self.choices, self.usage())
 
         work = asyncio.ensure_future(gather())
@@ -157,10 +168,18 @@ class Generation:
             if self.shapes.chat:  # OpenAI opens each chat choice with the assistant role
                 for i in range(len(self.choices)):
                     yield sse(self.shapes.chunk(i, "", None, role=True))
+            calls = ([ToolCallStream(self.tools.parser, set(self.tools.names))
+                      for _ in self.choices] if self.tools is not None else None)
             async for choice, text, d, lp in self.deltas():
-                if text or d.finished or lp:
+                finish, new_calls = d.finish_reason, None
+                if calls is not None:
+                    text, new_calls = calls[choice].push(text, d.finished)
+                    if d.finished and calls[choice].calls:
+                        finish = "tool_calls"
+                if text or d.finished or lp or new_calls:
                     shown = text if (text or not self.shapes.chat) else None
-                    yield sse(self.shapes.chunk(choice, shown, d.finish_reason, lp))
+                    yield sse(self.shapes.chunk(choice, shown, finish, lp,
+                                                tool_calls=new_calls))
             if self.include_usage:
                 yield sse(self.shapes.usage_chunk(self.usage()))
         except APIError as e:  # headers are out: OpenAI streams the error as an event

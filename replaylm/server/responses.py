@@ -121,11 +121,14 @@ class Shapes:
     chat: bool
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
-              logprobs: dict[str, Any] | None = None, role: bool = False) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, role: bool = False,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
@@ -143,9 +146,8 @@ class Shapes:
 
     def final(self, choices: list[ChoiceState], u: dict[str, int]) -> dict[str, Any]:
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                   for i, c in enumerate(choices)]
+            out = [{"index": i, "message": _message(c), "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
             obj = "chat.completion"
         else:
             out = [{"index": i, "text": c.text, "logprobs": c.logprobs,
@@ -153,6 +155,12 @@ class Shapes:
             obj = "text_completion"
         return {"id": self.response_id, "object": obj, "created": self.created,
                 "model": self.model, "choices": out, "usage": u}
+
+
+def _message(c: ChoiceState) -> dict[str, Any]:
+    if c.tool_calls is None:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
 
 
 @dataclass
@@ -172,3 +180,4 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # parsed calls (chat with tools)
