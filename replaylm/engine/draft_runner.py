@@ -70,6 +70,7 @@ def load_draft_runner(args: EngineArgs, spec: SpecConfig, target: ModelConfig,
 
     draft_args = dataclasses.replace(
         args, model=spec.model, speculative_config=None, num_kv_blocks=None,
+        max_num_kv_blocks=None,
         enable_prefix_caching=False, skip_tokenizer_init=True, tokenizer=None,
         max_model_len=max_model_len, tensor_parallel_size=1, data_parallel_size=1,
         all_reduce_backend="nccl", enable_dp_attention=False)  # unsharded, no collective

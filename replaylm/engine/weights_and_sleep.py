@@ -9,9 +9,11 @@ import logging
 
 from replaylm.config import EngineArgs
 from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.kv_sizing import KVResize
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import Scheduler
+from replaylm.engine.stats import EngineStats
 from replaylm.graphs.audit import AuditReport
 from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.weight_update import Source, WeightUpdate
@@ -21,13 +23,15 @@ log = logging.getLogger(__name__)
 
 class WeightsAndSleep:
     """Reads the engine's ``args``, ``runner``, ``block_manager``, ``scheduler``,
-    ``requests``, and calls its ``has_unfinished`` and ``drafter``."""
+    ``requests``, ``max_model_len``, ``stats``, and calls its ``has_unfinished`` and ``drafter``."""
 
     args: EngineArgs
     runner: ModelRunner
     block_manager: BlockManager
     scheduler: Scheduler
     requests: dict[str, list[Request]]
+    max_model_len: int
+    stats: EngineStats
 
     def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
         """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
@@ -86,6 +90,44 @@ class WeightsAndSleep:
 
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+    # KV pool resize ---------------------------------------------------------------------------
+
+    def resize_kv_cache(self, num_blocks: int) -> KVResize:
+        """Grow or shrink the KV pool to ``num_blocks`` blocks (block 0, the scratch block,
+        included) within the range reserved at start-up (``max_num_kv_blocks``): physical
+        memory is mapped or unmapped at the end of every layer's segment; no tensor, address
+        or graph changes. Shrinking evicts the prefix-cached blocks above the new size and
+        refuses (``RuntimeError``, nothing changed) while a request holds one. A size outside
+        ``[blocks for max_model_len + 1, max_num_kv_blocks]`` is a ``ValueError``; so is a
+        pool outside address-stable memory. With ``graph_check`` the graphs are audited."""
+        self._awake("resize_kv_cache")
+        runner, bm = self.runner, self.block_manager
+        runner.check_resize(num_blocks)
+        need = bm.blocks_for(self.max_model_len) + 1
+        if num_blocks < need:
+            raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is invalid: "
+                             f"max_model_len={self.max_model_len} needs at least {need} "
+                             "blocks (a lone request must always fit)")
+        if num_blocks < bm.num_blocks:
+            holders = [r.request_id for r in self.scheduler.holders
+                       if any(b >= num_blocks for b in r.block_ids)]
+            if holders:
+                raise RuntimeError(
+                    f"cannot shrink the KV pool to {num_blocks} blocks: requests "
+                    f"{holders[:8]} hold blocks above it (finish or abort them first)")
+        previous = bm.num_blocks
+        evicted = bm.resize(num_blocks)
+        try:
+            report = runner.resize_kv(num_blocks)
+        except BaseException:  # growing ran out of device memory: the old pool stands
+            bm.resize(previous)
+            raise
+        self.stats.kv_blocks_total = num_blocks - 1
+        report = dataclasses.replace(report, evicted_blocks=evicted)
+        if self.args.graph_check:
+            report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
+        return report
 
     def audit_graphs(self) -> AuditReport:
         """Check that no captured graph holds an address of unmapped or freed memory

@@ -95,10 +95,11 @@ class Sleeper:
         for r in self.weights + self.kv:
             r.poison()  # a mapping that went stale reads NaN, never old weights
             r.release()
-            released += r.size
+            released += r.chunk_bytes
         self.level = level
         return SleepReport(level, max(0, device_free(device) - before), released,
-                           sum(r.size for r in self.weights), sum(r.size for r in self.kv),
+                           sum(r.chunk_bytes for r in self.weights),
+                           sum(r.chunk_bytes for r in self.kv),
                            backup, time.perf_counter() - t0)
 
     def wake(self) -> WakeReport:
@@ -110,7 +111,7 @@ class Sleeper:
         mapped = restored = 0
         for r in self.weights + self.kv:
             r.remap()
-            mapped += r.size
+            mapped += r.chunk_bytes
         for r in self.weights:
             host = self._host.get(r.name) if self.level == 1 else None
             if host is not None:
@@ -119,7 +120,7 @@ class Sleeper:
             else:
                 r.poison()  # level 2: NaN until update_weights writes the weights
         for r in self.kv:
-            r.bytes.zero_()
+            r.fill(0)
         taken = max(0, before - device_free(device))  # synchronizes: the copies are done
         level, self.level = self.level, 0
         return WakeReport(level, mapped, taken, restored, time.perf_counter() - t0)
