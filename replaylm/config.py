@@ -110,6 +110,10 @@ _HELP: dict[str, str] = {
     "enable_sleep_mode": "keep the weights and the KV pool in address-stable memory (CUDA "
     "virtual memory management), so LLM.sleep() can free it and wake_up() map it back without "
     "recapturing graphs",
+    "sleep_pin_ahead": "with enable_sleep_mode, pin the host memory of sleep(level=1)'s copy "
+    "of the weights on a background thread once start-up has captured its graphs, so the "
+    "first sleep only copies (costs host memory the size of the weights from start-up on; "
+    "off: pinned at the first sleep(level=1))",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -167,6 +171,7 @@ class EngineArgs:
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
     enable_sleep_mode: bool = False
+    sleep_pin_ahead: bool = True
 
     @functools.cached_property
     def spec(self) -> SpecConfig | None:

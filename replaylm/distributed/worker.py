@@ -158,6 +158,7 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
     cfg, model_dir = load_model_config(args.model)
     runner = ModelRunner(args, cfg, resolve_weights_dir(model_dir, cfg, args.load_format),
                          resolve_max_model_len(args, cfg), tpc)
+    runner.prepare_sleep()
     conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
                       "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
                       "tune_seconds": runner.tune_seconds}))

@@ -318,6 +318,12 @@ class ModelRunner(RunnerStartup, KVSizing):
                              "the KV pool must live in address-stable memory)")
         return self.sleeper.sleep(level)
 
+    def prepare_sleep(self) -> None:
+        """With sleep mode and ``sleep_pin_ahead``: pin level 1's host copy on a background
+        thread (``Sleeper.prepare_host``). Called once no graph will be captured any more."""
+        if self.sleeper is not None and self.args.sleep_pin_ahead:
+            self.sleeper.prepare_host()
+
     def wake_up(self) -> WakeReport:
         """Map the memory back at the same addresses (``memory.sleep``)."""
         if self.sleeper is None:

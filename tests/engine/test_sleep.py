@@ -165,3 +165,25 @@ def test_data_parallel_ranks_sleep_and_wake_through_the_driver(ckpts):
             llm.wake_up()
         assert _tokens(llm) == before
         assert llm.audit_graphs().graphs == 0  # eager: nothing captured
+
+
+def test_host_copy_is_allocated_ahead_in_pieces_and_reused(ckpts, monkeypatch):
+    from replaylm.memory import sleep as sleep_module
+
+    monkeypatch.setattr(sleep_module, "HOST_PIECE_BYTES", 4096)
+    a, _, _ = ckpts
+    llm = LLM(str(a), **_kw("eager"))
+    sleeper = llm.engine.runner.sleeper
+    sleeper.wait_host()  # the start-up thread's work
+    region = sleeper.weights[0]
+    pieces = sleeper._host[region.name]
+    assert len(pieces) == -(-region.nbytes // 4096) > 1
+    assert sum(p.numel() for p in pieces) == region.nbytes
+    before = _tokens(llm)
+    for _ in range(2):
+        assert llm.sleep(1).backup_bytes == region.nbytes
+        assert llm.wake_up().restored_bytes == region.nbytes
+        assert all(x is y for x, y in zip(sleeper._host[region.name], pieces, strict=True))
+        assert _tokens(llm) == before
+    later = LLM(str(a), **_kw("eager", sleep_pin_ahead=False)).engine.runner.sleeper
+    assert later._pinning is None and not later._host  # pinned at the first sleep(1)
