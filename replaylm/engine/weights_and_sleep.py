@@ -65,6 +65,9 @@ class WeightsAndSleep:
         if self.is_sleeping():
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
         report = self.runner.sleep(level)
+        draft = self._draft_sleeper()
+        if draft is not None:  # the draft model's weights and KV pool sleep with the target's
+            report = _summed(report, draft.sleep(level))
         self.block_manager.drop_cached_blocks()
         log.info("asleep (level %d): %.2f GiB freed on the device in %.2f s", level,
                  report.freed_bytes / 2**30, report.seconds)
@@ -78,6 +81,9 @@ class WeightsAndSleep:
         if not self.is_sleeping():
             raise RuntimeError("wake_up: the engine is not asleep")
         report = self.runner.wake_up()
+        draft = self._draft_sleeper()
+        if draft is not None and draft.asleep:
+            report = _summed(report, draft.wake())
         if self.args.graph_check:
             report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
         return report
@@ -132,7 +138,15 @@ class WeightsAndSleep:
     def audit_graphs(self) -> AuditReport:
         """Check that no captured graph holds an address of unmapped or freed memory
         (``graphs.audit``); raises ``GraphAuditError`` naming the graph, kernel and parameter."""
-        return self.runner.audit_graphs()
+        report = self.runner.audit_graphs()
+        draft = getattr(self.drafter, "runner", None)
+        if draft is not None and getattr(draft, "graphs", None) is not None:
+            report = _summed(report, draft.audit_graphs())
+        return report
+
+    def _draft_sleeper(self):
+        """The draft model's ``Sleeper`` (sleep mode with a ``draft_model`` drafter), or None."""
+        return getattr(getattr(self.drafter, "runner", None), "sleeper", None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (``BlockManager.drop_cached_blocks``); the blocks freed."""
@@ -144,3 +158,11 @@ class WeightsAndSleep:
             raise RuntimeError(f"{what}: the engine is asleep (level {self.sleep_level}): "
                                "call wake_up() first")
 
+
+
+def _summed(a, b):
+    """``a`` (the target's report) with ``b``'s (the draft model's) byte counts, graph counts
+    and seconds added; the other fields are ``a``'s."""
+    sums = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)
+            if f.name not in ("level", "audit") and isinstance(getattr(a, f.name), int | float)}
+    return dataclasses.replace(a, **sums)
