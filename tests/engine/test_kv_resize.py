@@ -186,3 +186,18 @@ def test_block_manager_resize():
     bm.check_integrity([a])
     with pytest.raises(ValueError, match="num_blocks >= 2"):
         bm.resize(1)
+
+
+def test_tensor_parallel_ranks_resize_together():
+    kw = dict(device="cpu", num_kv_blocks=16, max_num_kv_blocks=32, max_num_seqs=4,
+              max_num_batched_tokens=48, max_model_len=48, skip_tokenizer_init=True,
+              enforce_eager=True, distributed_timeout_s=120.0)
+    with LLM("default", tensor_parallel_size=2, **kw) as llm:
+        before = _tokens(llm)
+        report = llm.resize_kv_cache(32)
+        assert (report.previous_blocks, report.num_blocks) == (16, 32)
+        with pytest.raises(ValueError, match="num_blocks"):
+            llm.resize_kv_cache(33)
+        assert _tokens(llm) == before
+        assert llm.resize_kv_cache(5).num_blocks == 5  # the followers' pools shrink too
+        assert _tokens(llm) == before
