@@ -39,6 +39,10 @@ _HELP: dict[str, str] = {
     "+ KV cache)",
     "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
     "cpu_kv_cache_gib": "KV cache size on CPU, in GiB",
+    "max_num_kv_blocks": "largest KV pool LLM.resize_kv_cache() may grow to, in 16-token "
+    "blocks: its addresses are reserved at start-up and the pool lives in address-stable "
+    "memory (CUDA virtual memory management); the start-up pool is capped at it (default: "
+    "the start-up size with enable_sleep_mode, else the pool cannot be resized)",
     "enforce_eager": "never use CUDA graphs (wins over --cuda-graph-mode)",
     "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
     "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
@@ -106,6 +110,10 @@ _HELP: dict[str, str] = {
     "enable_sleep_mode": "keep the weights and the KV pool in address-stable memory (CUDA "
     "virtual memory management), so LLM.sleep() can free it and wake_up() map it back without "
     "recapturing graphs",
+    "sleep_pin_ahead": "with enable_sleep_mode, pin the host memory of sleep(level=1)'s copy "
+    "of the weights on a background thread once start-up has captured its graphs, so the "
+    "first sleep only copies (costs host memory the size of the weights from start-up on; "
+    "off: pinned at the first sleep(level=1))",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -129,6 +137,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     cpu_kv_cache_gib: float = 1.0
+    max_num_kv_blocks: int | None = None
     enforce_eager: bool = False
     cuda_graph_mode: str | None = None
     load_format: str = "auto"
@@ -162,6 +171,7 @@ class EngineArgs:
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
     enable_sleep_mode: bool = False
+    sleep_pin_ahead: bool = True
 
     @functools.cached_property
     def spec(self) -> SpecConfig | None:
@@ -214,6 +224,13 @@ class EngineArgs:
                 f"EngineArgs.num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 2 "
                 "(block 0 is the reserved scratch block)"
             )
+        if self.max_num_kv_blocks is not None:
+            if self.max_num_kv_blocks < 2:
+                raise ValueError(f"EngineArgs.max_num_kv_blocks={self.max_num_kv_blocks} is "
+                                 "invalid: must be >= 2 (block 0 is the reserved scratch block)")
+            if self.num_kv_blocks is not None and self.num_kv_blocks > self.max_num_kv_blocks:
+                raise ValueError(f"EngineArgs.num_kv_blocks={self.num_kv_blocks} is invalid: "
+                                 f"more than max_num_kv_blocks={self.max_num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"EngineArgs.gpu_memory_utilization={self.gpu_memory_utilization} is invalid: "

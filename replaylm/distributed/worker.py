@@ -10,8 +10,8 @@ the tier agreement, so every data-parallel rank steps in lockstep.
 
 The leader's runner sends each step to its followers in one message over a pipe
 (``("step", StepInput)``, ``("idle",)``, ``("stop",)``, and after an in-place weight update
-it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``
-after the leader's own); a follower runs the same step on its
+it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``,
+``("resize_kv_cache", num_blocks)`` after the leader's own); a follower runs the same step on its
 shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
@@ -158,6 +158,7 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
     cfg, model_dir = load_model_config(args.model)
     runner = ModelRunner(args, cfg, resolve_weights_dir(model_dir, cfg, args.load_format),
                          resolve_max_model_len(args, cfg), tpc)
+    runner.prepare_sleep()
     conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
                       "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
                       "tune_seconds": runner.tune_seconds}))
@@ -174,6 +175,8 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             runner.sleep(rest[0])
         elif op == "wake_up":
             runner.wake_up()
+        elif op == "resize_kv_cache":  # the leader checked its requests' blocks
+            runner.resize_kv(rest[0])
         else:
             return
 
@@ -202,7 +205,8 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         return "ok", core.abort(*args)
     if op == "stats":
         return "ok", _snapshot(core)
-    if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache"):
+    if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache",
+              "resize_kv_cache"):
         call = (from_wire(args[0]), args[1]) if op == "update_weights" else args
         try:
             result = getattr(core, op)(*call)
@@ -211,7 +215,7 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         except RuntimeError as e:  # asleep or awake already, or a graph audit's finding
             return "refused", (type(e).__name__, str(e))
         # The followers' shards follow what the leader's did (a draft model is the leader's).
-        follow = op in ("sleep", "wake_up") or (op == "update_weights" and args[1] == "model")
+        follow = op in ("sleep", "wake_up", "resize_kv_cache") or (op == "update_weights" and args[1] == "model")
         if follow and core.runner.broadcast is not None:
             core.runner.broadcast((op, *args[:1]))
         return "ok", result

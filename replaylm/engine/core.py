@@ -95,6 +95,9 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
         self.agree: Agree | None = None
+        self.runner.prepare_sleep()  # every graph (the draft model's too) is captured by now
+        if draft_runner is not None:
+            draft_runner.prepare_sleep()
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)

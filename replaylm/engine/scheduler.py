@@ -278,6 +278,12 @@ class Scheduler:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def holders(self) -> list[Request]:
+        """Every request that may hold KV blocks: running, waiting (a prefix-cache match or a
+        preempted one's) and finished ones a launched step still reads (parked)."""
+        return [*self.running, *self.waiting, *self._parked]
+
     def check_integrity(self) -> None:
         """Check slots, statuses and the block pool against the queues (tests, debugging)."""
         slots = [r.slot for r in self.running + self._parked]
