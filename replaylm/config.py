@@ -35,6 +35,10 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "per-step token budget (prefill chunks + decodes)",
     "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
+    "max_mixed_prefill_tokens": "with chunked prefill, the most prompt tokens a step that "
+    "also decodes may carry, so new requests' prefills spread over the decode steps instead "
+    "of making a few steps much longer (a step with nothing to decode fills "
+    "max_num_batched_tokens; 0 = no cap)",
     "gpu_memory_utilization": "share of GPU memory the engine may use (weights + activations "
     "+ KV cache)",
     "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
@@ -134,6 +138,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    # 256 decodes + 256 prompt tokens fill the largest default graph tier (max_graph_tokens).
+    max_mixed_prefill_tokens: int = 256
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     cpu_kv_cache_gib: float = 1.0
@@ -192,6 +198,7 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _non_negative("max_mixed_prefill_tokens", self.max_mixed_prefill_tokens)
         _non_negative("max_logprobs", self.max_logprobs)
         _positive("max_graph_tokens", self.max_graph_tokens)
         _positive("max_stop_strings", self.max_stop_strings)

@@ -71,6 +71,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         )
         self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
                                  graph_mode=self.graph_mode, graphs=self.runner.graphs.stats)
@@ -267,7 +268,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.stats.record_step(StepRecord(
             mode=dispatch.mode, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
             padded_tokens=padded, num_reqs=len(out.scheduled),
-            fallback_reason=dispatch.reason,
+            fallback_reason=dispatch.reason, prefill_tokens=out.num_prefill_tokens,
         ))
         return Launched(out, pending, dispatch, padded), errors
 

@@ -55,7 +55,7 @@ UNRELATED_ARGS = frozenset({
     "max_stop_strings", "max_stop_string_length", "distributed_timeout_s", "graph_check",
     "enable_sleep_mode", "sleep_pin_ahead",
     "structured_outputs_any_whitespace", "structured_outputs_compile_timeout_s",
-    "structured_outputs_compile_threads"})
+    "structured_outputs_compile_threads", "max_mixed_prefill_tokens"})
 
 #: Model config fields no kernel sees: a checkpoint, its instruct variant and its named shape
 #: share plans.

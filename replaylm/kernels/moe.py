@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.kernels.dot import dot
+
 BLOCK_M = 16  # slots per tile (tl.dot needs at least 16)
 
 
@@ -94,8 +96,8 @@ def _gate_up_kernel(x_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num
         wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_k[:, None], mask=w_mask,
                      other=0.0)
-        acc_g += tl.dot(a, wg)
-        acc_u += tl.dot(a, wu)
+        acc_g += dot(a, wg)
+        acc_u += dot(a, wu)
     dt = inter_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -124,7 +126,7 @@ def _down_kernel(inter_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, 
                     mask=k_mask[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * INTER + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w)
+        acc += dot(a, w)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
