@@ -37,7 +37,7 @@ import torch
 import triton
 
 from replaylm.capture import graph_replay_us
-from replaylm.kernels import elementwise, fp8_linear, skinny
+from replaylm.kernels import elementwise, fp8_linear, ref, skinny
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,11 @@ def _stored(key: tuple, gpu: str) -> tuple[Decision, str] | None:
     return None
 
 
+def _weight_dtype(key: tuple) -> torch.dtype | None:
+    """The weights' dtype a key's candidates are for: FP8 for a ``-fp8`` prologue."""
+    return ref.FP8_DTYPE if key[0].endswith("-fp8") else None
+
+
 def candidates(m: int, k: int, weight_dtype: torch.dtype | None = None,
                ) -> list[tuple[int, int, int, int]]:
     """The tiles timed for ``m`` rows, reduction length ``k`` and weights of
@@ -201,12 +206,12 @@ def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], o
         found = _stored(key, gpu)
         if found is None:
             if _pass == "precompile":
-                _compile_ahead(fused, candidates(key[1], key[3], weight.dtype), weight)
+                _compile_ahead(fused, candidates(key[1], key[3], _weight_dtype(key)), weight)
                 return None
             start = time.perf_counter()
             choice, source = _tune(key, weight_rotation(weight), unfused, fused), "tuned"
             STATS.timing_s += time.perf_counter() - start
-            STATS.candidates_timed += len(candidates(key[1], key[3], weight.dtype))
+            STATS.candidates_timed += len(candidates(key[1], key[3], _weight_dtype(key)))
             _cache().store(key, gpu, choice)
         else:
             choice, source = found
@@ -310,7 +315,7 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     kind, m, n, k = key[:4]
     baseline = graph_time_us(unfused, weights)
     timed = [(cfg, graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights))
-             for cfg in candidates(m, k, weights[0].dtype)]
+             for cfg in candidates(m, k, _weight_dtype(key))]
     fastest = min(us for _, us in timed)
     best, best_us = min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
                         key=lambda c: (c[0][3], c[1]))
