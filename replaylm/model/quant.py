@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from replaylm.kernels.ref import FP8_DTYPE
+from replaylm.model.config import ModelConfig
 
 #: Our projection modules quantized in each decoder layer (``layers.{i}.<name>``).
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "moe.shared_gate_up",
@@ -101,16 +102,38 @@ def quantize_model(model: nn.Module, scheme: Fp8Scheme) -> None:
             requires_grad=False))
 
 
-def is_fp8(p: torch.Tensor) -> bool:
-    return p.dtype == FP8_DTYPE
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: Fp8Scheme | None,
+                 active: bool = False) -> int:
+    """Bytes of the model's weights held as ``scheme`` says (``cfg.weight_bytes`` without
+    one): each FP8 weight one byte a parameter plus four per row for its scale, the rest in
+    ``dtype``. With ``active``, those one token reads (MoE: its top-k experts)."""
+    total = cfg.weight_bytes(dtype, active)
+    if scheme is None:
+        return total
+    size = torch.empty((), dtype=dtype).element_size()
+    for rows, params in _fp8_blocks(cfg, scheme, active):
+        total += params * (1 - size) + rows * 4
+    return total
 
 
-def fp8_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of FP8 weights, bytes of their scales) in ``model``."""
-    weights = scales = 0
-    for name, p in model.named_parameters():
-        if is_fp8(p):
-            weights += p.numel()
-        elif is_scale(name):
-            scales += p.numel() * p.element_size()
-    return weights, scales
+def _fp8_blocks(cfg: ModelConfig, scheme: Fp8Scheme, active: bool) -> list[tuple[int, int]]:
+    """(rows, parameters) of every weight ``scheme`` holds in FP8 (per token with
+    ``active``)."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    blocks = []
+    for i in range(cfg.num_layers):
+        mine = {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q)}
+        if cfg.is_moe_layer(i):
+            e = cfg.num_experts_per_tok if active else cfg.num_experts
+            mi, s = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            mine |= {"moe.experts_gate_up": (e * 2 * mi, h), "moe.experts_down": (e * h, mi)}
+            if s:
+                mine |= {"moe.shared_gate_up": (2 * s, h), "moe.shared_down": (h, s)}
+        else:
+            inter = cfg.intermediate_size
+            mine |= {"gate_up_proj": (2 * inter, h), "down_proj": (h, inter)}
+        blocks += [(n, n * k) for name, (n, k) in mine.items()
+                   if f"layers.{i}.{name}" not in scheme.skip]
+    if scheme.lm_head and not cfg.tie_word_embeddings:
+        blocks.append((cfg.vocab_size, cfg.vocab_size * h))
+    return blocks
