@@ -310,3 +310,32 @@ def test_draft_model_is_quantized_too(llama):
     assert draft.layers[0].qkv_proj.weight.dtype == FP8
     plain = LLM(str(llama), quantization="fp8", **_kw("eager"))
     assert _tokens(llm) == _tokens(plain)  # greedy speculation emits the target's tokens
+
+
+def test_sleep_keeps_fp8_weights_and_scales(llama, tmp_path):
+    """Sleep mode holds the FP8 weights and their scales in its arena: level 1 wakes to the
+    same tokens; after level 2 an update quantizes into the woken buffers."""
+    other = tmp_path / "other"
+    make_checkpoint("llama", other, seed=6)
+    kw = _kw("full") | dict(quantization="fp8", enable_sleep_mode=True)
+    llm = LLM(str(llama), **kw)
+    before = _tokens(llm)
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert _tokens(llm) == before
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.update_weights(str(other))
+    assert _tokens(llm) == _tokens(LLM(str(other), quantization="fp8", **_kw("full")))
+
+
+def test_tensor_parallel_engine(moe):
+    """Two tensor-parallel ranks (gloo worker processes), each quantizing its slices of a
+    MoE model (experts, shared expert, a dense layer), generate the single engine's FP8
+    tokens (row-parallel scales differ from TP=1's by each rank's own column amax: too
+    little to move these greedy tokens)."""
+    path = moe
+    kw = _kw("eager") | dict(quantization="fp8", distributed_timeout_s=120.0)
+    want = _tokens(LLM(str(path), **kw))
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        assert _tokens(llm) == want
