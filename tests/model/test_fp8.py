@@ -339,3 +339,18 @@ def test_tensor_parallel_engine(moe):
     want = _tokens(LLM(str(path), **kw))
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         assert _tokens(llm) == want
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_weight_bytes_count_what_the_model_holds(llama, moe, lm_head):
+    """The decode floor's weight bytes (``quant.weight_bytes``): exactly the bytes of the
+    loaded FP8 model's parameters, scales included."""
+    from replaylm.model.quant import weight_bytes
+
+    for path in (llama, moe):
+        cfg, _ = load_model_config(str(path))
+        scheme = Fp8Scheme(lm_head=lm_head)
+        model = _load(path, scheme)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert weight_bytes(cfg, torch.float32, scheme) == held
+        assert weight_bytes(cfg, torch.float32, None) == cfg.weight_bytes(torch.float32)
