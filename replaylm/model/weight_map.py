@@ -159,7 +159,9 @@ class Placement:
         elif self.scale is None or is_fp8(dtype_of(tensor)):
             load_rank_part(self.dst, tensor, self.part, self.rank)
         else:
-            full = torch.empty(self.dst.shape, dtype=torch.float32, device=self.dst.device)
+            # Zeros: rows the rank's part leaves unwritten (the LM head's vocabulary padding
+            # on the last rank) stay zero, as they do unquantized.
+            full = torch.zeros(self.dst.shape, dtype=torch.float32, device=self.dst.device)
             load_rank_part(full, tensor, self.part, self.rank)
             q, scale = quantize_fp8(full)
             self.dst.copy_(q)

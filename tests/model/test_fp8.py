@@ -354,3 +354,19 @@ def test_weight_bytes_count_what_the_model_holds(llama, moe, lm_head):
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         assert weight_bytes(cfg, torch.float32, scheme) == held
         assert weight_bytes(cfg, torch.float32, None) == cfg.weight_bytes(torch.float32)
+
+
+def test_tensor_parallel_fp8_lm_head_keeps_vocabulary_padding_zero(tmp_path):
+    """A quantized LM head under tensor parallelism: each rank's vocabulary rows are the
+    whole head's quantized rows; the last rank's padding rows stay zero."""
+    make_checkpoint("llama", tmp_path, vocab_size=255)
+    whole = dict(_load(tmp_path, None).named_parameters())["lm_head.weight"]
+    q, scale = ref.quantize_fp8(whole)
+    for rank in range(2):
+        shard = dict(_load(tmp_path, Fp8Scheme(lm_head=True),
+                           TensorParallel(rank, 2, num_kv_heads=2)).named_parameters())
+        head, head_scale = shard["lm_head.weight"], shard["lm_head.weight_scale"]
+        rows = q[rank * 128:(rank + 1) * 128]
+        assert torch.equal(head[:rows.shape[0]].float(), rows.float())
+        assert torch.equal(head_scale[:rows.shape[0]], scale[rank * 128:(rank + 1) * 128])
+        assert torch.all(head[rows.shape[0]:].float() == 0)
