@@ -22,6 +22,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")
 PDL_SETTINGS = ("auto", "on", "off")
 ALL_REDUCE_BACKENDS = ("auto", "nccl", "symm_mem")
+QUANTIZATIONS = ("fp8",)
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
@@ -50,6 +51,11 @@ _HELP: dict[str, str] = {
     "enforce_eager": "never use CUDA graphs (wins over --cuda-graph-mode)",
     "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
     "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
+    "quantization": "fp8 = the linear projections' weights (attention, MLP, MoE experts) in "
+    "float8_e4m3fn with one float32 scale per output channel, quantized as they load; "
+    "a compressed-tensors FP8 checkpoint is read as it is stored, with or without this "
+    "setting (default: the checkpoint's own weights)",
+    "quantize_lm_head": "with quantization fp8, hold the (untied) LM head in FP8 too",
     "skip_tokenizer_init": "run on token ids alone (no tokenizer)",
     "enable_prefix_caching": "reuse the KV blocks of repeated prompt prefixes (automatic "
     "prefix caching)",
@@ -147,6 +153,8 @@ class EngineArgs:
     enforce_eager: bool = False
     cuda_graph_mode: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
+    quantize_lm_head: bool = False
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
@@ -192,6 +200,11 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("pdl", self.pdl, PDL_SETTINGS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("EngineArgs.quantize_lm_head=True needs quantization='fp8' (it "
+                             "says whether the LM head is quantized too)")
         if self.cuda_graph_mode is not None:
             _choice("cuda_graph_mode", self.cuda_graph_mode, GRAPH_MODES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -271,7 +284,8 @@ class EngineArgs:
             choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                        "attention_backend": ATTENTION_BACKENDS, "pdl": PDL_SETTINGS,
                        "cuda_graph_mode": GRAPH_MODES,
-                       "all_reduce_backend": ALL_REDUCE_BACKENDS}.get(f.name)
+                       "all_reduce_backend": ALL_REDUCE_BACKENDS,
+                       "quantization": QUANTIZATIONS}.get(f.name)
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=f"{help_} (default: {default})")
         return parser

@@ -35,6 +35,7 @@ from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
 from replaylm.memory.arena import Arena, Region, adopt_parameters
 from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
+from replaylm.model.compressed_tensors import fp8_scheme
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -153,9 +154,10 @@ class ModelRunner(RunnerStartup, KVSizing):
         """The model's weights and kernel settings (the attention backend chosen first)."""
         args, cfg = self.args, self.cfg
         t0 = time.perf_counter()
+        fp8 = fp8_scheme(self.full_cfg, model_dir, args.quantization, args.quantize_lm_head)
         self.model: CausalLM = load_model(
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed, self.tp,
-            self.full_cfg, self.dp)
+            self.full_cfg, self.dp, fp8)
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
         self.model.use_side_stream(args.moe_side_stream_max_tokens)

@@ -30,6 +30,7 @@ from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
+from replaylm.model.quant import Linear
 
 
 class RMSNorm(nn.Module):
@@ -54,16 +55,16 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.dp = dp
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.moe = SparseMoe(cfg) if cfg.is_moe_layer(index) else None
         if self.moe is None:
-            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+            self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
 
     def before(
@@ -82,7 +83,8 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         k = self.kernels or ref
         qkv, residual = k.norm_linear(hidden, residual, self.input_layernorm.weight,
-                                      cfg.rms_norm_eps, self.qkv_proj.weight, self.qkv_proj.bias)
+                                      cfg.rms_norm_eps, self.qkv_proj.weight, self.qkv_proj.bias,
+                                      scale=self.qkv_proj.weight_scale)
         if defer_rope:
             return qkv, residual
         q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -101,7 +103,8 @@ class DecoderLayer(nn.Module):
         attention the normed rows of every rank (``[ranks * T, hidden]``) go through this
         rank's MLP slice and each rank keeps the sum of its own ``T`` rows."""
         k = self.kernels or ref
-        hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        hidden = k.linear(attn_out.flatten(1), self.o_proj.weight, self.o_proj.bias,
+                          scale=self.o_proj.weight_scale)
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
         norm_weight, eps = self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
@@ -112,10 +115,12 @@ class DecoderLayer(nn.Module):
         if self.dp is not None:
             normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
             rows = self.dp.gather_rows(normed)
-            gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                               scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
         gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                          self.gate_up_proj.weight, self.gate_up_proj.bias)
+                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                          scale=self.gate_up_proj.weight_scale)
         out = self._down(gate_up, k)
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
@@ -123,8 +128,9 @@ class DecoderLayer(nn.Module):
         """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)."""
         down = self.down_proj
         if down.bias is None:
-            return k.silu_linear(gate_up, down.weight)
-        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias)
+            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale)
+        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,
+                        scale=down.weight_scale)
 
 
 class CausalLM(nn.Module):
@@ -151,7 +157,7 @@ class CausalLM(nn.Module):
                                          _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, vocab_rows, bias=False
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -295,18 +301,21 @@ class CausalLM(nn.Module):
         every graph share one static logits buffer instead of each keeping its own. With the
         fused kernels the latter is the projections' tuned ``linear`` (at a few rows the skinny
         kernel streams a large vocabulary's head faster than cuBLAS)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.lm_head
+        weight = self.embed_tokens.weight if head is None else head.weight
+        scale = None if head is None else head.weight_scale  # an FP8 head's (model.quant)
         if self.tp is not None:
-            return self._gathered_logits(hidden, weight, out)
+            return self._gathered_logits(hidden, weight, out, scale)
         if out is None:
-            return torch.nn.functional.linear(hidden, weight).float()
-        return (self.kernels or ref).linear(hidden, weight, out=out)
+            return ref.linear(hidden, weight, scale=scale).float()
+        return (self.kernels or ref).linear(hidden, weight, out=out, scale=scale)
 
     def _gathered_logits(self, hidden: torch.Tensor, weight: torch.Tensor,
-                         out: torch.Tensor | None) -> torch.Tensor:
+                         out: torch.Tensor | None, scale: torch.Tensor | None = None,
+                         ) -> torch.Tensor:
         """Vocab-parallel LM head: this rank's logits slice, all-gathered into the full
         vocabulary (the padding rows past it dropped), so every rank holds every logit."""
-        local = (self.kernels or ref).linear(hidden, weight)
+        local = (self.kernels or ref).linear(hidden, weight, scale=scale)
         parts = self.tp.all_gather(local)  # [ranks, rows, vocab_rows]
         full = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, : self.cfg.vocab_size]
         if out is None:
