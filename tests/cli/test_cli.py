@@ -45,7 +45,8 @@ def test_bench_decode_writes_rows(tmp_path, capsys: pytest.CaptureFixture[str]) 
     rc = main([
         "bench", "decode", "--model", "default", "--device", "cpu", "--batch-sizes", "1,4",
         "--new-tokens", "8", "--prompt-len", "8", "--batched-prompt-len", "8",
-        "--repeats", "1", "--json", str(out),
+        "--repeats", "1", "--batched-requests", "4", "--batched-repeats", "1",
+        "--json", str(out),
     ])
     assert rc == 0
     assert "floor" in capsys.readouterr().out
