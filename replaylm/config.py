@@ -106,6 +106,13 @@ _HELP: dict[str, str] = {
     "enable_sleep_mode": "keep the weights and the KV pool in address-stable memory (CUDA "
     "virtual memory management), so LLM.sleep() can free it and wake_up() map it back without "
     "recapturing graphs",
+    "enable_lora": "serve LoRA adapters (PEFT format) over the base model: requests pick one "
+    "(or none) each, and every mix of adapters runs in one batch through the same graphs",
+    "max_loras": "adapters resident on the device at once (the adapter slots every step can "
+    "mix); a request whose adapter is not resident waits until a slot frees",
+    "max_lora_rank": "largest adapter rank accepted; every slot is sized for it",
+    "max_cpu_loras": "adapters kept loaded in host memory (least recently used evicted; "
+    "default: max_loras); must be >= max_loras",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -162,6 +169,10 @@ class EngineArgs:
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
     enable_sleep_mode: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @functools.cached_property
     def spec(self) -> SpecConfig | None:
@@ -207,6 +218,7 @@ class EngineArgs:
         _check_all_reduce_backend(self)
         if self.enable_dp_attention:
             _check_dp_attention(self)
+        _check_lora(self)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -293,6 +305,23 @@ def _check_dp_attention(args: EngineArgs) -> None:
         raise ValueError(f"{field} needs tensor_parallel_size=1 (got "
                          f"{args.tensor_parallel_size}): the data-parallel ranks form the "
                          "MLP's tensor-parallel group")
+
+
+def _check_lora(args: EngineArgs) -> None:
+    """The LoRA settings, and the engine features LoRA does not run with."""
+    _positive("max_loras", args.max_loras)
+    _positive("max_lora_rank", args.max_lora_rank)
+    if args.max_cpu_loras is not None:
+        _positive("max_cpu_loras", args.max_cpu_loras)
+        if args.max_cpu_loras < args.max_loras:
+            raise ValueError(f"EngineArgs.max_cpu_loras={args.max_cpu_loras} is invalid: must "
+                             f"be >= max_loras={args.max_loras}")
+    if not args.enable_lora:
+        return
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, name) != 1:
+            raise ValueError(f"EngineArgs.enable_lora=True is not supported with {name} > 1 "
+                             f"(got {getattr(args, name)}): adapters run on one engine")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

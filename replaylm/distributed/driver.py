@@ -39,6 +39,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
+from replaylm.lora.request import LoRARequest
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
@@ -130,8 +131,18 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
 
     # Requests ------------------------------------------------------------------------------
 
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """LoRA runs on one engine (``EngineArgs.enable_lora``): any adapter is refused."""
+        if lora_request is not None:
+            raise ValueError("lora_request needs a single engine with enable_lora=True "
+                             "(data and tensor parallelism run without LoRA)")
+
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> AddedRequest:
+                    params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> AddedRequest:
+        """Queue a request on a rank (``lora_request`` must be None: LoRA runs on one engine,
+        ``EngineArgs.enable_lora``)."""
+        self.add_lora(lora_request)
         params = params or SamplingParams()
         if self.is_sleeping():
             raise RuntimeError("add_request: the engine is asleep: call wake_up() first")

@@ -1,0 +1,84 @@
+"""LoRA adapters in the engine against PEFT on transformers: greedy output token for token,
+one adapter at a time and one batch mixing the base model with three adapters, eagerly and
+through the CPU stand-in's graphs (one graph set for every mix)."""
+
+from __future__ import annotations
+
+import pytest
+
+from replaylm import LLM, LoRARequest, SamplingParams
+from tests.lora.helpers import greedy, make_adapter
+
+N = 6
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 200, 17, 4, 80, 33], [3 + (11 * j) % 250 for j in range(21)], [7, 7, 1],
+           [100, 101, 102, 103, 104]]
+# rank, seed, targets, alpha, rslora
+ADAPTERS = [(8, 1, None, 16, False), (16, 2, None, 32, True),
+            (16, 3, ["q_proj", "v_proj", "down_proj"], 8, False)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    """A tiny checkpoint, three adapters over it, and every (adapter, prompt)'s PEFT greedy
+    tokens (adapter None: the base model)."""
+    from tests.conftest import make_checkpoint
+    from tests.lora.helpers import ALL
+
+    kind = request.param
+    base = tmp_path_factory.mktemp(f"lora-{kind}")
+    model = make_checkpoint(kind, base)
+    expected = {None: [greedy(model, p, N) for p in PROMPTS]}
+    loras = []
+    for i, (r, seed, targets, alpha, rslora) in enumerate(ADAPTERS):
+        path = tmp_path_factory.mktemp(f"lora-{kind}-a{i}")
+        peft_model = make_adapter(base, path, r, seed, targets or ALL, alpha, rslora)
+        lora = LoRARequest(f"a{i}", i + 1, str(path))
+        expected[lora] = [greedy(peft_model, p, N) for p in PROMPTS]
+        loras.append(lora)
+    for lora in loras:  # the adapters change the output (B is not zero)
+        assert expected[lora] != expected[None]
+    return base, loras, expected
+
+
+def engine(base, mode: str, **kw) -> LLM:
+    args = dict(enable_lora=True, max_loras=4, max_lora_rank=16, num_kv_blocks=40,
+                max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                skip_tokenizer_init=True, attention_backend="torch_dense") | kw
+    if mode == "eager":
+        return LLM(str(base), enforce_eager=True, **args)
+    return LLM(str(base), cuda_graph_mode=mode, graph_tiers="4,16", max_graph_tokens=16,
+               graph_check=3, poison_padding=True, **args)
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_each_adapter_alone(setup):
+    base, loras, expected = setup
+    llm = engine(base, "eager")
+    for lora in [None, *loras]:
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                   lora_request=lora)) == expected[lora], lora
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise", "ragged"])
+def test_mixed_batch(setup, mode):
+    """Base and three adapters in one batch (every prompt under each): the same tokens as
+    each alone under PEFT, through one graph set."""
+    base, loras, expected = setup
+    llm = engine(base, mode)
+    choices = [None, *loras]
+    prompts, reqs, want = [], [], []
+    for i, p in enumerate(PROMPTS):
+        for j in range(len(choices)):
+            lora = choices[(i + j) % len(choices)]
+            prompts.append(p)
+            reqs.append(lora)
+            want.append(expected[lora][i])
+    got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs))
+    assert got == want
+    if mode != "eager":
+        hits = llm.graph_stats()["hits"]
+        assert sum(hits.values()) > 0, hits
