@@ -7,6 +7,12 @@ from pathlib import Path
 
 import torch
 
+from replaylm import SamplingParams
+
+N = 6
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 200, 17, 4, 80, 33], [3 + (11 * j) % 250 for j in range(21)], [7, 7, 1],
+           [100, 101, 102, 103, 104]]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

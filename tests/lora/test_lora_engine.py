@@ -6,39 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from replaylm import LLM, LoRARequest, SamplingParams
-from tests.lora.helpers import greedy, make_adapter
-
-N = 6
-GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 200, 17, 4, 80, 33], [3 + (11 * j) % 250 for j in range(21)], [7, 7, 1],
-           [100, 101, 102, 103, 104]]
-# rank, seed, targets, alpha, rslora
-ADAPTERS = [(8, 1, None, 16, False), (16, 2, None, 32, True),
-            (16, 3, ["q_proj", "v_proj", "down_proj"], 8, False)]
+from replaylm import LLM
+from tests.lora.helpers import GREEDY, PROMPTS
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def setup(request, tmp_path_factory):
-    """A tiny checkpoint, three adapters over it, and every (adapter, prompt)'s PEFT greedy
-    tokens (adapter None: the base model)."""
-    from tests.conftest import make_checkpoint
-    from tests.lora.helpers import ALL
-
-    kind = request.param
-    base = tmp_path_factory.mktemp(f"lora-{kind}")
-    model = make_checkpoint(kind, base)
-    expected = {None: [greedy(model, p, N) for p in PROMPTS]}
-    loras = []
-    for i, (r, seed, targets, alpha, rslora) in enumerate(ADAPTERS):
-        path = tmp_path_factory.mktemp(f"lora-{kind}-a{i}")
-        peft_model = make_adapter(base, path, r, seed, targets or ALL, alpha, rslora)
-        lora = LoRARequest(f"a{i}", i + 1, str(path))
-        expected[lora] = [greedy(peft_model, p, N) for p in PROMPTS]
-        loras.append(lora)
-    for lora in loras:  # the adapters change the output (B is not zero)
-        assert expected[lora] != expected[None]
-    return base, loras, expected
+def setup(request, lora_setup):
+    return lora_setup(request.param)
 
 
 def engine(base, mode: str, **kw) -> LLM:
