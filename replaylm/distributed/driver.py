@@ -137,6 +137,10 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
             raise ValueError("lora_request needs a single engine with enable_lora=True "
                              "(data and tensor parallelism run without LoRA)")
 
+    def remove_lora(self, name: str) -> bool:
+        """No adapter is ever known here (``add_lora``)."""
+        return False
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> AddedRequest:

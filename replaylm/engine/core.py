@@ -171,6 +171,14 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             raise ValueError("lora_request needs the engine started with enable_lora=True")
         self.lora.add(lora_request)
 
+    def remove_lora(self, name: str) -> bool:
+        """Forget the LoRA adapter called ``name`` (requests running with it finish with
+        it); False if the engine does not know it."""
+        if self.lora is None or name not in self.lora.by_name:
+            return False
+        self.lora.remove(name)
+        return True
+
     def compile_structured(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the
         process-wide cache or compiled on its thread pool, waiting at most

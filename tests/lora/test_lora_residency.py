@@ -30,7 +30,7 @@ def test_more_adapters_than_slots(setup, mode, max_loras, max_cpu_loras):
     choices = [*loras, None]
     prompts, reqs, want = [], [], []
     for i, p in enumerate(PROMPTS):
-        for j, lora in enumerate(choices):
+        for j in range(len(choices)):
             prompts.append(p)
             reqs.append(choices[(i + j) % len(choices)])
             want.append(expected[reqs[-1]][i])
