@@ -56,3 +56,21 @@ def test_mixed_batch(setup, mode):
     if mode != "eager":
         hits = llm.graph_stats()["hits"]
         assert sum(hits.values()) > 0, hits
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding(setup, mode, method):
+    """Drafts come without the adapter (the base model as draft model, or n-grams); the
+    verify runs with each request's adapter, so greedy output is still PEFT's."""
+    base, loras, expected = setup
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec |= {"model": str(base)} if method == "draft_model" else {"prompt_lookup_max": 2}
+    llm = engine(base, mode, speculative_config=spec)
+    choices = [None, *loras]
+    reqs = [choices[i % len(choices)] for i in range(len(PROMPTS))]
+    got = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs))
+    assert got == [expected[lora][i] for i, lora in enumerate(reqs)]
+    if method == "draft_model":  # the base drafts: the adapters' requests reject some
+        stats = llm.spec_stats()
+        assert stats["draft_tokens"] > 0 and 0 < stats["acceptance_rate"] < 1, stats
