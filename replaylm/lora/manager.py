@@ -3,7 +3,8 @@
 Three tiers, as vLLM has them:
 
 * known — every ``LoRARequest`` the engine has seen (by id and by name), so an adapter
-  evicted from host memory is read again from its path when needed;
+  evicted from host memory is read again from its path when needed (one ``remove``d keeps
+  its id for the requests already queued with it; its name is free again);
 * host — up to ``max_cpu_loras`` adapters read and checked (``peft.load_adapter``), least
   recently used evicted first;
 * device — ``max_loras`` slots (``slots.LoRASlots``). A slot is *held* by every running
@@ -48,6 +49,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.known: dict[int, LoRARequest] = {}
         self.by_name: dict[str, LoRARequest] = {}
+        self.removed: set[int] = set()  # ids ``remove``d: known only for requests queued
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         n = slots.max_loras
         self.slot_adapter: list[int | None] = [None] * n  # adapter id in each slot
@@ -62,29 +64,33 @@ class LoRAManager:
 
     # Adapters --------------------------------------------------------------------------------
 
-    def add(self, request: LoRARequest) -> HostAdapter:
-        """Know ``request``'s adapter and have it on the host (read and checked now when it is
-        new or was evicted); ``ValueError`` for a bad adapter, or an id or name already
-        given to another adapter."""
-        same = self.known.get(request.lora_int_id)
+    def add(self, request: LoRARequest) -> None:
+        """Know ``request``'s adapter: read and checked now, onto the host, the first time
+        it is seen (later it is read again from its path whenever evicted);
+        ``ValueError`` for a bad adapter, or an id or name already given to another
+        adapter."""
+        lid = request.lora_int_id
+        same = self.known.get(lid)
         if same is not None and same != request:
-            raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
-                             f"{same.lora_name!r} ({same.lora_path}); got {request}")
+            raise ValueError(f"lora_int_id {lid} is already adapter {same.lora_name!r} "
+                             f"({same.lora_path}); got {request}")
         other = self.by_name.get(request.lora_name)
         if other is not None and other != request:
             raise ValueError(f"LoRA adapter name {request.lora_name!r} is already in use by "
                              f"lora_int_id {other.lora_int_id} ({other.lora_path})")
-        adapter = self._host_adapter(request)
-        self.known[request.lora_int_id] = request
+        if same is None or lid in self.removed:
+            self._host_adapter(request)
+        self.removed.discard(lid)
+        self.known[lid] = request
         self.by_name[request.lora_name] = request
-        return adapter
 
     def remove(self, name: str) -> LoRARequest:
-        """Forget the adapter called ``name`` (requests running with it finish with it);
-        ``KeyError`` if unknown."""
+        """Stop taking new requests for the adapter called ``name`` (``KeyError`` if
+        unknown); requests already queued or running with it finish with it, and its slot
+        empties once none holds it."""
         request = self.by_name.pop(name)
         lid = request.lora_int_id
-        self.known.pop(lid, None)
+        self.removed.add(lid)
         self.host.pop(lid, None)
         for slot, held in enumerate(self.slot_adapter):
             if held == lid and self.holders[slot] == 0 and lid not in self.loading:
@@ -145,10 +151,10 @@ class LoRAManager:
         req.lora_slot = -1
         self.holders[slot] -= 1
         if self.holders[slot] == 0:
-            if self.slot_adapter[slot] in self.known:
-                self.idle[slot] = None
-            else:  # removed while in use
+            if self.slot_adapter[slot] in self.removed:
                 self._empty(slot)
+            else:
+                self.idle[slot] = None
 
     def resident(self) -> dict[int, int]:
         """Adapter id -> slot, for the adapters in a slot (copies done or not)."""

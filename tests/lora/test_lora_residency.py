@@ -116,3 +116,37 @@ def test_settings():
         LLM("default", load_format="dummy", skip_tokenizer_init=True, num_kv_blocks=8,
             max_model_len=32, enforce_eager=True).generate(
             [[1, 2]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))
+
+
+def test_manager_slots_and_removal(setup):
+    """One slot, two adapters: the second waits while the first is held; an adapter removed
+    with a request still queued is read again for it, and its slot empties after."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from replaylm.engine.loading import load_model_config
+    from replaylm.lora.manager import LoRAManager
+    from replaylm.lora.slots import LoRASlots
+
+    base, loras, _ = setup
+    cfg, _ = load_model_config(str(base))
+    slots = LoRASlots(cfg, 1, 16, 32, torch.float32, torch.device("cpu"))
+    manager = LoRAManager(cfg, slots, max_cpu_loras=1)
+    manager.add(loras[0])  # rank 8
+    manager.add(loras[1])  # rank 16; evicts loras[0] from the host
+    first = SimpleNamespace(lora_int_id=1, lora_slot=-1)
+    second = SimpleNamespace(lora_int_id=2, lora_slot=-1)
+    assert manager.ready(first)
+    manager.hold(first)
+    assert first.lora_slot == 0 and int(slots.ranks.max()) == 8
+    assert not manager.ready(second)  # the only slot is held
+    manager.remove("a1")
+    manager.release(first)
+    assert manager.ready(second)  # read again from its path for the queued request
+    manager.hold(second)
+    assert int(slots.ranks.max()) == 16
+    manager.release(second)
+    assert manager.slot_adapter == [None] and int(slots.ranks.abs().sum()) == 0
+    with pytest.raises(KeyError):
+        manager.remove("a1")
