@@ -5,8 +5,10 @@ A targeted projection's LoRA delta is ``y[t] += scale[l] * (x[t] @ A[l]^T) @ B[l
 ``A`` ``[L, S*R, in]`` (``S`` output segments — q, k, v of a fused qkv — each with ``R`` rank
 rows, ``R`` = ``max_lora_rank``) and ``B`` ``[L, out, R]``. Two launches per projection:
 
-* :func:`lora_shrink` — program ``(t, segment)`` computes ``x[t] @ A[l, seg]^T`` over the
-  adapter's own rank (``ranks[l]``), accumulating in fp32;
+* :func:`lora_shrink` — program ``(t, segment, rank block)`` computes ``BLOCK_R`` rank rows
+  of ``x[t] @ A[l, seg]^T`` over the adapter's own rank (``ranks[l]``; blocks past it return
+  at once), accumulating in fp32. Splitting the rank over programs keeps a batch-1 step's
+  shrink on several SMs instead of one;
 * :func:`lora_expand` — program ``(t, column block)`` adds ``scale * s[t, seg(n)] @
   B[l, n]^T`` to the projection's output in place.
 
@@ -22,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+#: Rank rows one shrink program computes.
+SHRINK_ROWS = 4
+
 
 @triton.jit(do_not_specialize=["in_dim"])
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, slots_ptr, ranks_ptr, in_dim, stride_x, stride_al,
@@ -29,11 +34,12 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, slots_ptr, ranks_ptr, in_dim, stride_x, 
                    BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_R
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot)
-        if rank > 0:
-            r = tl.arange(0, BLOCK_R)
+        if r0 < rank:
+            r = r0 + tl.arange(0, BLOCK_R)
             r_ok = r < rank
             a_rows = a_ptr + slot * stride_al + (seg * R + r)[:, None] * stride_ar
             acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -87,10 +93,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     out = x.new_empty(t, width)
     if t == 0:
         return out
-    _shrink_kernel[(t, num_segments)](
+    block_r = min(SHRINK_ROWS, triton.next_power_of_2(rank))
+    _shrink_kernel[(t, num_segments, triton.cdiv(rank, block_r))](
         x, a, out, slots, ranks, in_dim, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        R=rank, BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_K=min(256, triton.next_power_of_2(in_dim)), num_warps=4,
+        R=rank, BLOCK_R=block_r, BLOCK_K=min(512, triton.next_power_of_2(in_dim)), num_warps=4,
     )
     return out
 

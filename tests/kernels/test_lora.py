@@ -16,7 +16,7 @@ def _slots_case(segments, in_dim, max_rank, seed):
     s_count = len(segments)
     a = torch.zeros(num_slots, s_count * max_rank, in_dim)
     b = torch.zeros(num_slots, sum(segments), max_rank)
-    ranks = torch.tensor([max_rank, max_rank // 2, 0], dtype=torch.int32)  # slot 2: empty
+    ranks = torch.tensor([max_rank, max_rank // 2 + 1, 0], dtype=torch.int32)  # 2: empty
     for slot in range(num_slots):
         r = int(ranks[slot])
         for j in range(s_count):
@@ -43,7 +43,7 @@ def test_shrink_expand_match_reference(kernels, segments, in_dim, max_rank):
     untouched = (tokens < 0) | (tokens == 2)
     assert torch.equal(got[untouched], y[untouched])
     # The delta is what the merged weights give: y + scale * x @ (B @ A)^T per segment.
-    row = 2  # slot 1, rank max_rank // 2
+    row = 2  # slot 1, rank max_rank // 2 + 1
     merged, start = [], 0
     for j, width in enumerate(segments):
         a_j = a[1, j * max_rank:(j + 1) * max_rank]
