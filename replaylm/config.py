@@ -316,12 +316,9 @@ def _check_lora(args: EngineArgs) -> None:
         if args.max_cpu_loras < args.max_loras:
             raise ValueError(f"EngineArgs.max_cpu_loras={args.max_cpu_loras} is invalid: must "
                              f"be >= max_loras={args.max_loras}")
-    if not args.enable_lora:
-        return
-    for name in ("tensor_parallel_size", "data_parallel_size"):
-        if getattr(args, name) != 1:
-            raise ValueError(f"EngineArgs.enable_lora=True is not supported with {name} > 1 "
-                             f"(got {getattr(args, name)}): adapters run on one engine")
+    if args.enable_lora and args.enable_dp_attention:
+        raise ValueError("EngineArgs.enable_lora=True is not supported with "
+                         "enable_dp_attention (the MLP runs on every rank's rows)")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

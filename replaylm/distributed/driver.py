@@ -132,21 +132,24 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
     # Requests ------------------------------------------------------------------------------
 
     def add_lora(self, lora_request: LoRARequest | None) -> None:
-        """LoRA runs on one engine (``EngineArgs.enable_lora``): any adapter is refused."""
-        if lora_request is not None:
-            raise ValueError("lora_request needs a single engine with enable_lora=True "
-                             "(data and tensor parallelism run without LoRA)")
+        """Every data-parallel rank's engine knows ``lora_request``'s adapter (each checks
+        it: ``EngineCore.add_lora``)."""
+        if lora_request is None:
+            return
+        for leader in self.leaders:
+            status, value = self._call(leader, "add_lora", lora_request)
+            if status == "invalid":
+                raise ValueError(value)
 
     def remove_lora(self, name: str) -> bool:
-        """No adapter is ever known here (``add_lora``)."""
-        return False
+        """Every data-parallel rank forgets the adapter called ``name``."""
+        return any([self._call(leader, "remove_lora", name)[1] for leader in self.leaders])
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> AddedRequest:
-        """Queue a request on a rank (``lora_request`` must be None: LoRA runs on one engine,
-        ``EngineArgs.enable_lora``)."""
-        self.add_lora(lora_request)
+        """Queue a request on the least loaded rank (``lora_request``: its LoRA adapter,
+        checked by that rank's engine)."""
         params = params or SamplingParams()
         if self.is_sleeping():
             raise RuntimeError("add_request: the engine is asleep: call wake_up() first")
@@ -160,7 +163,8 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
             self.live_stats.requests_rejected += 1
             raise
         rank = min(range(self.size), key=lambda r: (self.load[r], r))
-        status, value = self._call(self.leaders[rank], "add", request_id, ids, params)
+        status, value = self._call(self.leaders[rank], "add", request_id, ids, params,
+                                   lora_request)
         if status == "invalid":
             raise ValueError(value)
         self.load[rank] = value

@@ -78,7 +78,8 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.lora: LoRAManager | None = None
         if self.runner.lora_slots is not None:
             self.lora = LoRAManager(cfg, self.runner.lora_slots,
-                                    args.max_cpu_loras or args.max_loras)
+                                    args.max_cpu_loras or args.max_loras, tp)
+            self.lora.mirror = self._mirror_lora
             self.scheduler.adapters = self.lora
         self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
                                  graph_mode=self.graph_mode, graphs=self.runner.graphs.stats)
@@ -170,6 +171,12 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         if self.lora is None:
             raise ValueError("lora_request needs the engine started with enable_lora=True")
         self.lora.add(lora_request)
+
+    def _mirror_lora(self, msg: tuple) -> None:
+        """A slot change, sent to the tensor-parallel followers (if any) ahead of the steps
+        that use it."""
+        if self.runner.broadcast is not None:
+            self.runner.broadcast(msg)
 
     def remove_lora(self, name: str) -> bool:
         """Forget the LoRA adapter called ``name`` (requests running with it finish with

@@ -33,6 +33,8 @@ from replaylm.graphs.audit import AuditReport
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
+from replaylm.lora.peft import load_adapter
+from replaylm.lora.request import LoRARequest
 from replaylm.lora.slots import LoRASlots
 from replaylm.memory.arena import Arena, Region, adopt_parameters
 from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
@@ -180,6 +182,13 @@ class ModelRunner(RunnerStartup, KVSizing):
                  LoRASlots.nbytes(self.cfg, args.max_loras, args.max_lora_rank, self.dtype)
                  / 2**20)
         return slots
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        """A tensor-parallel follower: load this rank's shard of ``request``'s adapter into
+        ``slot``, as the leader's ``LoRAManager`` did (``("lora_load", ...)``)."""
+        adapter = load_adapter(request, self.full_cfg, self.args.max_lora_rank, self.dtype,
+                               tp=self.tp)
+        self.lora_slots.load(slot, adapter)
 
     def _adopt_weights(self) -> tuple[Arena | None, Region | None]:
         """Sleep mode: move the weights into an arena region (before anything captures

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from replaylm.lora.peft import HostAdapter, load_adapter
 from replaylm.lora.request import LoRARequest
 from replaylm.lora.slots import LoRASlots
 from replaylm.model.config import ModelConfig
+from replaylm.model.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,14 @@ class _Loading:
 
 
 class LoRAManager:
-    def __init__(self, cfg: ModelConfig, slots: LoRASlots, max_cpu_loras: int) -> None:
-        self.cfg, self.slots = cfg, slots
+    def __init__(self, cfg: ModelConfig, slots: LoRASlots, max_cpu_loras: int,
+                 tp: TensorParallel | None = None) -> None:
+        """``cfg``: the whole model's shapes (adapters are checked against them); ``tp``:
+        this rank's place in its tensor-parallel group (adapters are sharded for it)."""
+        self.cfg, self.slots, self.tp = cfg, slots, tp
+        # Tensor parallel leader: told every slot change, ``("lora_load", slot, request)`` or
+        # ``("lora_clear", slot)``, so the other ranks' slots hold the same adapters.
+        self.mirror: Callable[[tuple], None] | None = None
         self.max_cpu_loras = max_cpu_loras
         self.known: dict[int, LoRARequest] = {}
         self.by_name: dict[str, LoRARequest] = {}
@@ -104,7 +112,7 @@ class LoRAManager:
             self.host.move_to_end(lid)
             return adapter
         adapter = load_adapter(request, self.cfg, self.slots.max_rank, self.slots.dtype,
-                               pin=self.stream is not None)
+                               pin=self.stream is not None, tp=self.tp)
         self.host[lid] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)  # read again from its path when needed
@@ -173,6 +181,8 @@ class LoRAManager:
         self.idle.pop(slot, None)
         self.slot_adapter[slot] = None
         self.slots.clear(slot)
+        if self.mirror is not None:
+            self.mirror(("lora_clear", slot))
         if slot not in self.free:
             self.free.append(slot)
 
@@ -182,6 +192,8 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter id {lid} is not loaded")
         adapter = self._host_adapter(request)
         self.slot_adapter[slot] = lid
+        if self.mirror is not None:  # the other ranks load it before the next step
+            self.mirror(("lora_load", slot, request))
         start = time.perf_counter()
         event = None
         if self.stream is not None:

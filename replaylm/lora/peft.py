@@ -8,6 +8,16 @@ segment per piece; its adapter ``A`` stacks the pieces' ``lora_A`` along the ran
 (``[out, r]``). A piece the adapter does not target is zero there.
 
 Scaling: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``.
+
+Under tensor parallelism each rank keeps its shard of an adapter, split as the base weights
+are (``model.parallel``):
+
+* column-parallel qkv and gate_up: ``A`` whole (every rank sees the whole input row), ``B``
+  the rows of this rank's outputs — its query heads, its KV heads (a KV head replicated
+  over ranks is kept by each of them), its slice of gate and of up;
+* row-parallel o_proj and down_proj: ``A`` the columns of this rank's input slice, ``B``
+  whole; each rank's delta is a partial sum, completed by the all-reduce that completes the
+  projection (``(Σ x_r A_r^T) B^T = Σ (x_r A_r^T) B^T``).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 
 from replaylm.lora.request import LoRARequest
 from replaylm.model.config import ModelConfig
+from replaylm.model.parallel import TensorParallel
 
 #: PEFT target module names the decoder has, each with its group and segment.
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
@@ -75,11 +86,12 @@ class HostAdapter:
 
 
 def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 pin: bool = False) -> HostAdapter:
-    """Read and check ``request``'s adapter; ``ValueError`` naming the adapter and what is
-    wrong: a missing file, a setting replaylm does not run (DoRA, biases, per-module ranks or
-    alphas, modules_to_save), a target module the decoder has not, a rank above
-    ``max_rank``, or tensors shaped for another base model."""
+                 pin: bool = False, tp: TensorParallel | None = None) -> HostAdapter:
+    """Read and check ``request``'s adapter against ``cfg`` (the whole model's shapes);
+    ``ValueError`` naming the adapter and what is wrong: a missing file, a setting replaylm
+    does not run (DoRA, biases, per-module ranks or alphas, modules_to_save), a target
+    module the decoder has not, a rank above ``max_rank``, or tensors shaped for another
+    base model. With ``tp``, this rank's shard (module docstring)."""
     from safetensors.torch import load_file
 
     name = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
@@ -142,10 +154,34 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int, dtype: t
                              "without its pair")
     if not seen:
         raise ValueError(f"{name}: adapter_model.safetensors holds no LoRA weights")
+    if tp is not None and tp.size > 1:
+        a, b = _shard(a, b, cfg, tp)
     if pin:
         a = {k: v.pin_memory() for k, v in a.items()}
         b = {k: v.pin_memory() for k, v in b.items()}
     return HostAdapter(request, r, float(scale), a, b, ranks)
+
+
+def _shard(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cfg: ModelConfig,
+           tp: TensorParallel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's shard of a whole adapter's group tensors (module docstring)."""
+    size, rank = tp.size, tp.rank
+    q_local = cfg.q_size // size
+    kv_local = max(1, cfg.num_kv_heads // size) * cfg.head_dim
+    kv_start = tp.kv_head_start() * cfg.head_dim
+    i_local = cfg.intermediate_size // size
+    q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    rows = {"qkv": [(rank * q_local, q_local), (q + kv_start, kv_local),
+                    (q + kv + kv_start, kv_local)],
+            "gate_up": [(rank * i_local, i_local), (i + rank * i_local, i_local)]}
+    b = dict(b)
+    for name, parts in rows.items():
+        b[name] = torch.cat([b[name][:, start:start + width] for start, width in parts],
+                            dim=1).contiguous()
+    a = dict(a)
+    a["o"] = a["o"][:, :, rank * q_local:(rank + 1) * q_local].contiguous()
+    a["down"] = a["down"][:, :, rank * i_local:(rank + 1) * i_local].contiguous()
+    return a, b
 
 
 def _check_config(conf: dict, name: str) -> None:

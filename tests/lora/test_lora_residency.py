@@ -110,8 +110,8 @@ def test_adapter_for_another_base_model(tmp_path_factory, setup):
 def test_settings():
     with pytest.raises(ValueError, match="max_cpu_loras=1 is invalid"):
         LLM("default", enable_lora=True, max_loras=2, max_cpu_loras=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        LLM("default", enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_dp_attention"):
+        LLM("default", enable_lora=True, data_parallel_size=2, enable_dp_attention=True)
     with pytest.raises(ValueError, match="needs the engine started with enable_lora=True"):
         LLM("default", load_format="dummy", skip_tokenizer_init=True, num_kv_blocks=8,
             max_model_len=32, enforce_eager=True).generate(
