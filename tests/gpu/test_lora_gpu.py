@@ -121,3 +121,20 @@ def test_graphs_replay_mixed_adapters_bit_identically(adapters, mode):
     stats = llm.graph_stats()
     assert stats["checks"] > 0 and sum(stats["hits"].values()) > 0, stats
     assert llm.engine.lora.loads >= 3  # three adapters through two slots
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_graphs_with_mixed_adapters(adapters):
+    """Two ranks, adapters sharded, slots changing mid-run: every graph step checked bit for
+    bit against its eager run on each rank's shard."""
+    base, paths, _ = adapters
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    with LLM(str(base), tensor_parallel_size=2, enable_lora=True, max_loras=2,
+             max_lora_rank=16, num_kv_blocks=128, max_model_len=128, skip_tokenizer_init=True,
+             max_num_seqs=16, max_graph_tokens=64, graph_check=1) as llm:
+        sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompts = [[5 + i, 6, 7 + 2 * i, 9] * (1 + i % 3) for i in range(16)]
+        reqs = [[None, *loras][i % 4] for i in range(16)]
+        outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=reqs)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        assert llm.graph_stats()["checks"] > 0
