@@ -14,7 +14,8 @@ Measured, each repeat interleaving the two variants:
   started together) with no constraint, and with every request constrained by a nested JSON
   schema that cannot close within ``--max-tokens`` (so both variants generate the same number
   of tokens);
-- the graph fallbacks the engine counted while the constrained requests ran (must be 0);
+- the graph fallbacks the engine counted during each variant, by reason (structured outputs
+  must add none);
 - TTFT of one request with the schema already compiled against one without a constraint;
 - the stall a new schema's compilation causes: the longest gap between tokens of running
   unconstrained streams while a request with a never-seen schema is admitted.
@@ -149,9 +150,14 @@ def compile_stall(llm: LLM, streams: int) -> dict:
             "stall_ms": (max(after) - steady) * 1e3, "compile_s": compile_s}
 
 
-def fallbacks(llm: LLM) -> int:
+def fallbacks(llm: LLM) -> dict[str, int]:
+    """The engine's graph fallbacks so far, by reason."""
     graphs = llm.engine.live_stats.graphs
-    return sum(graphs.fallbacks.values()) if graphs is not None else 0
+    return dict(graphs.fallbacks) if graphs is not None else {}
+
+
+def new_fallbacks(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
 
 def main() -> None:
@@ -181,20 +187,23 @@ def main() -> None:
         run_batch(llm, b, 16, SCHEMA, 0)  # compile the schema, warm every tier
         run_batch(llm, b, 16, None, 0)
         plain, constrained = [], []
-        before = fallbacks(llm)
+        falls: dict[str, dict[str, int]] = {"plain": {}, "constrained": {}}
         for r in range(ns.repeats):
-            order = [(None, plain), (SCHEMA, constrained)]
-            for schema, into in (order if r % 2 == 0 else order[::-1]):
+            order = [("plain", None, plain), ("constrained", SCHEMA, constrained)]
+            for name, schema, into in (order if r % 2 == 0 else order[::-1]):
+                before = fallbacks(llm)
                 into.append(run_batch(llm, b, ns.max_tokens, schema, 100 * r))
+                for k, n in new_fallbacks(before, fallbacks(llm)).items():
+                    falls[name][k] = falls[name].get(k, 0) + n
         row = {"batch": b, "plain_tok_s": statistics.median(plain),
                "constrained_tok_s": statistics.median(constrained),
                "plain_runs": plain, "constrained_runs": constrained,
-               "fallbacks_during": fallbacks(llm) - before}
+               "fallbacks": falls}
         row["loss"] = 1 - row["constrained_tok_s"] / row["plain_tok_s"]
         rows.append(row)
         print(f"batch {b}: plain {row['plain_tok_s']:.1f} tok/s, constrained "
               f"{row['constrained_tok_s']:.1f} tok/s, loss {100 * row['loss']:.1f}%, "
-              f"fallbacks {row['fallbacks_during']}", flush=True)
+              f"fallbacks {falls}", flush=True)
     t_plain = statistics.median(ttft(llm, None) for _ in range(5))
     t_cached = statistics.median(ttft(llm, SCHEMA) for _ in range(5))
     print(f"TTFT: plain {t_plain * 1e3:.2f} ms, cached schema {t_cached * 1e3:.2f} ms "

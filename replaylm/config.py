@@ -22,6 +22,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "torch_dense", "triton")
 PDL_SETTINGS = ("auto", "on", "off")
 ALL_REDUCE_BACKENDS = ("auto", "nccl", "symm_mem")
+QUANTIZATIONS = ("fp8",)
 
 _HELP: dict[str, str] = {
     "model": "Hugging Face model directory, or a named shape (default, qwen3-0.6b, "
@@ -35,13 +36,26 @@ _HELP: dict[str, str] = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "per-step token budget (prefill chunks + decodes)",
     "enable_chunked_prefill": "split long prompts over several steps, mixed with decodes",
+    "max_mixed_prefill_tokens": "with chunked prefill, the most prompt tokens a step that "
+    "also decodes may carry, so new requests' prefills spread over the decode steps instead "
+    "of making a few steps much longer (a step with nothing to decode fills "
+    "max_num_batched_tokens; 0 = no cap)",
     "gpu_memory_utilization": "share of GPU memory the engine may use (weights + activations "
     "+ KV cache)",
     "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
     "cpu_kv_cache_gib": "KV cache size on CPU, in GiB",
+    "max_num_kv_blocks": "largest KV pool LLM.resize_kv_cache() may grow to, in 16-token "
+    "blocks: its addresses are reserved at start-up and the pool lives in address-stable "
+    "memory (CUDA virtual memory management); the start-up pool is capped at it (default: "
+    "the start-up size with enable_sleep_mode, else the pool cannot be resized)",
     "enforce_eager": "never use CUDA graphs (wins over --cuda-graph-mode)",
     "cuda_graph_mode": f"one of {', '.join(GRAPH_MODES)} (default: eager on CPU)",
     "load_format": "auto (safetensors if present), safetensors, or dummy (random weights)",
+    "quantization": "fp8 = the linear projections' weights (attention, MLP, MoE experts) in "
+    "float8_e4m3fn with one float32 scale per output channel, quantized as they load; "
+    "a compressed-tensors FP8 checkpoint is read as it is stored, with or without this "
+    "setting (default: the checkpoint's own weights)",
+    "quantize_lm_head": "with quantization fp8, hold the (untied) LM head in FP8 too",
     "skip_tokenizer_init": "run on token ids alone (no tokenizer)",
     "enable_prefix_caching": "reuse the KV blocks of repeated prompt prefixes (automatic "
     "prefix caching)",
@@ -106,6 +120,10 @@ _HELP: dict[str, str] = {
     "enable_sleep_mode": "keep the weights and the KV pool in address-stable memory (CUDA "
     "virtual memory management), so LLM.sleep() can free it and wake_up() map it back without "
     "recapturing graphs",
+    "sleep_pin_ahead": "with enable_sleep_mode, pin the host memory of sleep(level=1)'s copy "
+    "of the weights on a background thread once start-up has captured its graphs, so the "
+    "first sleep only copies (costs host memory the size of the weights from start-up on; "
+    "off: pinned at the first sleep(level=1))",
     "enable_lora": "serve LoRA adapters (PEFT format) over the base model: requests pick one "
     "(or none) each, and every mix of adapters runs in one batch through the same graphs",
     "max_loras": "adapters resident on the device at once (the adapter slots every step can "
@@ -133,12 +151,17 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    # 256 decodes + 256 prompt tokens fill the largest default graph tier (max_graph_tokens).
+    max_mixed_prefill_tokens: int = 256
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     cpu_kv_cache_gib: float = 1.0
+    max_num_kv_blocks: int | None = None
     enforce_eager: bool = False
     cuda_graph_mode: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
+    quantize_lm_head: bool = False
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
@@ -169,6 +192,7 @@ class EngineArgs:
     enable_dp_attention: bool = False
     distributed_timeout_s: float = 600.0
     enable_sleep_mode: bool = False
+    sleep_pin_ahead: bool = True
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -187,12 +211,18 @@ class EngineArgs:
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("pdl", self.pdl, PDL_SETTINGS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("EngineArgs.quantize_lm_head=True needs quantization='fp8' (it "
+                             "says whether the LM head is quantized too)")
         if self.cuda_graph_mode is not None:
             _choice("cuda_graph_mode", self.cuda_graph_mode, GRAPH_MODES)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"EngineArgs.device={self.device!r} is invalid: use auto, cpu or cuda[:N]")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _non_negative("max_mixed_prefill_tokens", self.max_mixed_prefill_tokens)
         _non_negative("max_logprobs", self.max_logprobs)
         _positive("max_graph_tokens", self.max_graph_tokens)
         _positive("max_stop_strings", self.max_stop_strings)
@@ -226,6 +256,13 @@ class EngineArgs:
                 f"EngineArgs.num_kv_blocks={self.num_kv_blocks} is invalid: must be >= 2 "
                 "(block 0 is the reserved scratch block)"
             )
+        if self.max_num_kv_blocks is not None:
+            if self.max_num_kv_blocks < 2:
+                raise ValueError(f"EngineArgs.max_num_kv_blocks={self.max_num_kv_blocks} is "
+                                 "invalid: must be >= 2 (block 0 is the reserved scratch block)")
+            if self.num_kv_blocks is not None and self.num_kv_blocks > self.max_num_kv_blocks:
+                raise ValueError(f"EngineArgs.num_kv_blocks={self.num_kv_blocks} is invalid: "
+                                 f"more than max_num_kv_blocks={self.max_num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"EngineArgs.gpu_memory_utilization={self.gpu_memory_utilization} is invalid: "
@@ -259,7 +296,8 @@ class EngineArgs:
             choices = {"dtype": DTYPES, "load_format": LOAD_FORMATS,
                        "attention_backend": ATTENTION_BACKENDS, "pdl": PDL_SETTINGS,
                        "cuda_graph_mode": GRAPH_MODES,
-                       "all_reduce_backend": ALL_REDUCE_BACKENDS}.get(f.name)
+                       "all_reduce_backend": ALL_REDUCE_BACKENDS,
+                       "quantization": QUANTIZATIONS}.get(f.name)
             group.add_argument(flag, type=kind, default=default, choices=choices,
                                help=f"{help_} (default: {default})")
         return parser

@@ -178,7 +178,7 @@ class SamplingParams:
 
 
 #: The kinds of structured output, in ``StructuredOutputsParams`` field order.
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,10 @@ class StructuredOutputsParams:
 
     Exactly one kind per request: ``json`` (a JSON schema, as a dict or its JSON text),
     ``regex`` (a regular expression the whole output matches), ``choice`` (one of these
-    strings), ``grammar`` (an EBNF grammar, xgrammar's GBNF dialect, rule ``root`` first) or
-    ``json_object=True`` (any JSON object). The engine compiles it (``replaylm.structured``);
+    strings), ``grammar`` (an EBNF grammar, xgrammar's GBNF dialect, rule ``root`` first),
+    ``json_object=True`` (any JSON object) or ``structural_tag`` (an xgrammar structural tag,
+    as a dict or its JSON text: literal text and JSON-schema parts in sequence, as tool calls
+    need). The engine compiles it (``replaylm.structured``);
     a spec that does not compile is a ``ValueError`` naming the field.
     """
 
@@ -197,6 +199,7 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -207,11 +210,13 @@ class StructuredOutputsParams:
                              f"{', '.join(STRUCTURED_KINDS)} (got {got})")
         kind = given[0]
         value = getattr(self, kind)
-        ok = {"json": isinstance(value, str | dict), "regex": isinstance(value, str),
+        ok = {"json": isinstance(value, str | dict),
+              "structural_tag": isinstance(value, str | dict), "regex": isinstance(value, str),
               "grammar": isinstance(value, str), "json_object": value is True,
               "choice": isinstance(value, list | tuple) and len(value) > 0
               and all(isinstance(c, str) and c for c in value)}[kind]
-        rule = {"json": "a JSON schema (dict or JSON text)", "regex": "a string",
+        rule = {"json": "a JSON schema (dict or JSON text)",
+                "structural_tag": "a structural tag (dict or JSON text)", "regex": "a string",
                 "grammar": "an EBNF grammar (a string)", "json_object": "True",
                 "choice": "a non-empty list of non-empty strings"}[kind]
         if not ok:
@@ -221,7 +226,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one kind given: json, regex, choice, grammar or json_object."""
+        """The one kind given: json, regex, choice, grammar, json_object or structural_tag."""
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 

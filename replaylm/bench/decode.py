@@ -3,8 +3,12 @@
 - batch 1: one request, a ``prompt_len``-token random prompt (32), ``new_tokens`` (256) new
   tokens, greedy, ``ignore_eos``; tok/s = new tokens ÷ wall time of the whole ``generate``
   call (prefill included); one warm-up call first; best of ``repeats`` (3).
-- batched: N different random prompts of ``batched_prompt_len`` (128) tokens, ``new_tokens``
-  each, all submitted at once; output tok/s = generated tokens ÷ wall; one warm-up first.
+- batched (N > 1): random prompts of ``batched_prompt_len`` (128) tokens, ``new_tokens`` each,
+  N at a time: each finished request is replaced by the next (``bench.steady``) until a
+  repeat's ``batched_requests`` have run, by default enough whole waves of N for
+  ``min_seconds`` (5) of work; one warm-up wave first; output tok/s = generated tokens ÷
+  wall; the median of ``batched_repeats`` (5) repeats, with their min, max and quartiles,
+  the step-time p50/p99 over every repeat, and what the slowest 1% of steps coincide with.
 
 Every batch-1 figure is printed beside its floor: weight bytes ÷ 4.23 TB/s (the H200's
 measured copy bandwidth) + graph nodes × 1 µs, and the share of that floor reached. For an
@@ -45,6 +49,7 @@ from replaylm.bench.decode_profile import profile_row
 from replaylm.bench.floor import floor_ms, graph_nodes_of, weight_bytes_of
 from replaylm.bench.observer import StepClock, observing
 from replaylm.bench.peer_hf import HF_MODES, format_peers, parse_hf_modes, ratios, run_hf_peer
+from replaylm.bench.steady import requests_for, spread, sync_device, tail_attribution, timed_repeats
 from replaylm.config import EngineArgs
 from replaylm.sampling_params import SamplingParams
 
@@ -69,8 +74,16 @@ class DecodeRow:
     weight_bytes: int | None = None
     graphs: dict[str, Any] | None = None  # the engine's graph stats after this run
     padding_share: float | None = None  # padded share of the tokens graphs ran in this row
-    step_ms_p50: float | None = None  # time between step() returns in the kept timed call
+    step_ms_p50: float | None = None  # time between step() returns (batched: every repeat)
     step_ms_p99: float | None = None
+    # Batched rows: requests per repeat, N at a time; tok/s of every repeat and their spread
+    # (median, min, max, q1, q3, (max - min) / median); the slowest steps' attribution
+    # (``steady.tail_attribution``); the median repeat's per-step samples.
+    requests: int | None = None
+    all_tok_s: list[float] | None = None
+    tok_s_spread: dict[str, float] | None = None
+    tail: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,25 +101,15 @@ def greedy_params(new_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
 
-def _sync(llm: Any) -> None:
-    """Wait for this process's device work (a driver of worker processes has none: its
-    steps return once the workers' samples are on the host)."""
-    device = getattr(llm, "device", None)
-    if not hasattr(llm.engine, "runner"):
-        return
-    if isinstance(device, torch.device) and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_generate(llm: Any, prompts: list[list[int]], params: SamplingParams,
                    clock: StepClock | None = None) -> tuple[float, int]:
     """Wall seconds of one ``generate`` call and the number of tokens it generated; with
     ``clock``, the return of every step of the call is noted on it."""
-    _sync(llm)
+    sync_device(llm)
     start = time.perf_counter()
     with observing(llm.engine, clock):
         outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(llm)
+    sync_device(llm)
     wall = time.perf_counter() - start
     return wall, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -161,27 +164,40 @@ def bench_batch1(
 
 def bench_batched(
     llm: Any, batch_size: int, prompt_len: int = 128, new_tokens: int = 256,
-    repeats: int = 1, seed: int = 0,
+    repeats: int = 5, seed: int = 0, requests: int | None = None, min_seconds: float = 5.0,
 ) -> DecodeRow:
-    """``batch_size`` different prompts submitted at once; output tok/s = generated ÷ wall.
+    """``batch_size`` requests at a time, ``requests`` per repeat (default: whole waves for
+    ``min_seconds`` of work); ``tok_s`` is the median repeat's generated tokens ÷ wall.
 
-    ``ms_per_token`` here is wall ÷ ``new_tokens``: the time per output token of one request.
+    ``ms_per_token`` here is the median step time: the time per output token of one request.
     """
     params = greedy_params(new_tokens)
     vocab = _vocab_of(llm)
+    count = requests
 
     def prompts(repeat: int | None) -> list[list[int]]:
-        return random_prompts(batch_size, prompt_len, vocab,
-                              prompt_seed(seed, batch_size, repeat))
+        n = batch_size if repeat is None else count
+        return random_prompts(n, prompt_len, vocab, prompt_seed(seed, batch_size, repeat))
 
-    timed_generate(llm, prompts(None), params)
-    walls, wall, generated, steps = _timed_runs(llm, prompts, params, repeats)
+    warm = timed_repeats(llm, lambda _: prompts(None), params, batch_size, 1)[0]
+    if count is None:
+        steps = [x.ms for x in warm[2] if not x.prefill_tokens] or [x.ms for x in warm[2]]
+        count = requests_for(min_seconds, percentile(steps, 50) or 1.0, batch_size, new_tokens)
+    runs = timed_repeats(llm, prompts, params, batch_size, repeats)
+    tok_s = [g / w for w, g, _ in runs]
+    middle = sorted(range(len(runs)), key=lambda i: tok_s[i])[(len(runs) - 1) // 2]
+    wall, generated, samples = runs[middle]
+    every = [x for _, _, smp in runs for x in smp]
+    intervals = [x.ms for x in every]
     return DecodeRow(
         mode=_mode_of(llm), batch=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
         generated_tokens=generated, wall_s=wall, tok_s=generated / wall,
-        ms_per_token=wall / new_tokens * 1e3, all_wall_s=walls,
+        ms_per_token=percentile(intervals, 50) or 0.0, all_wall_s=[w for w, _, _ in runs],
         graph_nodes=graph_nodes_of(llm), weight_bytes=weight_bytes_of(llm),
-        step_ms_p50=percentile(steps, 50), step_ms_p99=percentile(steps, 99),
+        step_ms_p50=percentile(intervals, 50), step_ms_p99=percentile(intervals, 99),
+        requests=count, all_tok_s=[round(t, 3) for t in tok_s],
+        tok_s_spread=spread(tok_s),
+        tail=tail_attribution(every), steps=[dataclasses.asdict(x) for x in samples],
     )
 
 
@@ -196,8 +212,12 @@ def run_decode_bench(
     seed: int = 0,
     log: Any = print,
     profile_dir: str | None = None,
+    batched_repeats: int = 5,
+    batched_requests: int | None = None,
+    min_seconds: float = 5.0,
 ) -> tuple[list[DecodeRow], str]:
-    """Run every (mode, batch size); returns the rows and the device name.
+    """Run every (mode, batch size); returns the rows and the device name. Batched rows take
+    ``batched_repeats``, ``batched_requests`` and ``min_seconds`` (``bench_batched``).
 
     With ``profile_dir``, each row is followed by a profiled run of the same prompts (per-step
     CPU time, GPU busy/idle, graph nodes; JSON) and a short traced one (Chrome trace, and one
@@ -213,8 +233,8 @@ def run_decode_bench(
             if bs == 1:
                 row = bench_batch1(llm, prompt_len, new_tokens, repeats, seed)
             else:
-                # Batched runs take one timed call: the protocol has no best-of for them.
-                row = bench_batched(llm, bs, batched_prompt_len, new_tokens, 1, seed)
+                row = bench_batched(llm, bs, batched_prompt_len, new_tokens, batched_repeats,
+                                    seed, batched_requests, min_seconds)
             log(f"[bench] mode={row.mode} batch={bs}: {row.tok_s:,.1f} tok/s")
             row.graphs = llm.graph_stats()
             row.padding_share = padding_between(before, row.graphs)
@@ -242,9 +262,10 @@ def _timelines_by_batch(rows: list[DecodeRow]) -> dict[int, list[dict[str, Any]]
 
 
 def format_table(rows: list[DecodeRow]) -> str:
-    """Plain-text table; batch-1 rows carry the floor and the share of it reached."""
-    head = (f"{'mode':<20} {'batch':>5} {'tok/s':>12} {'ms/token':>10} {'p99 step ms':>11} "
-            f"{'padding':>8}  floor (H200)")
+    """Plain-text table; batch-1 rows carry the floor and the share of it reached, batched
+    rows their repeats' spread and what their slowest steps coincide with."""
+    head = (f"{'mode':<20} {'batch':>5} {'tok/s':>12} {'spread':>7} {'ms/token':>10} "
+            f"{'p50 step ms':>11} {'p99 step ms':>11} {'padding':>8}  floor (H200)")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.batch == 1 and r.floor_ms is not None:
@@ -253,13 +274,28 @@ def format_table(rows: list[DecodeRow]) -> str:
             floor = f"{r.floor_ms:.3f} ms ({nodes}); share {100 * (r.floor_share or 0):.1f}%"
         else:
             floor = "-"
+        p50 = f"{r.step_ms_p50:.3f}" if r.step_ms_p50 is not None else "-"
         p99 = f"{r.step_ms_p99:.3f}" if r.step_ms_p99 is not None else "-"
-        lines.append(f"{r.mode:<20} {r.batch:>5} {r.tok_s:>12,.1f} {r.ms_per_token:>10.3f} "
-                     f"{p99:>11} {100 * (r.padding_share or 0):>7.1f}%  {floor}")
+        sp = f"{100 * r.tok_s_spread['spread']:.1f}%" if r.tok_s_spread else "-"
+        lines.append(f"{r.mode:<20} {r.batch:>5} {r.tok_s:>12,.1f} {sp:>7} "
+                     f"{r.ms_per_token:>10.3f} {p50:>11} {p99:>11} "
+                     f"{100 * (r.padding_share or 0):>7.1f}%  {floor}")
+    for r in rows:
+        if r.tok_s_spread and r.tail:
+            t, sp = r.tail, r.tok_s_spread
+            lines.append(
+                f"{r.mode} batch {r.batch}: {r.requests} requests per repeat, "
+                f"{len(r.all_tok_s or [])} repeats, tok/s min {sp['min']:,.0f} q1 {sp['q1']:,.0f} "
+                f"median {sp['median']:,.0f} q3 {sp['q3']:,.0f} max {sp['max']:,.0f}; "
+                f"slowest {t['steps']} steps (>= {t['threshold_ms']:.2f} ms): prefill "
+                f"{t['prefill']}, gc {t['gc']}, host {t['host']}, other {t['other']}; "
+                f"decode-only steps p50 {t['decode_only_p50_ms']} p99 {t['decode_only_p99_ms']} "
+                f"ms; {t['prefill_steps']} steps with prefill")
     lines.append("tok/s: batch 1 = new tokens ÷ wall of generate (prefill included), best of "
-                 "repeats; batch N = generated tokens ÷ wall. ms/token: per request.")
-    lines.append("p99 step ms: 99th percentile of the time between step() returns (one token per "
-                 "running request each); padding: padded share of the tokens graphs ran.")
+                 "repeats; batch N = generated tokens ÷ wall with N requests at a time, median "
+                 "of repeats; spread = (max - min) ÷ median. ms/token: per request.")
+    lines.append("p50/p99 step ms: percentiles of the time between step() returns (one token "
+                 "per running request each); padding: padded share of the tokens graphs ran.")
     lines.append("floor = weight bytes ÷ 4.23 TB/s + graph nodes × 1 µs; share = floor ÷ "
                  "measured ms/token.")
     return "\n".join(lines)
@@ -278,6 +314,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="new tokens per request (default: 256)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="batch-1 timed calls after the warm-up; best is kept (default: 3)")
+    parser.add_argument("--batched-repeats", type=int, default=5,
+                        help="timed repeats of each batched row; the median is reported with "
+                        "its spread (default: 5)")
+    parser.add_argument("--batched-requests", type=int, default=None,
+                        help="requests per batched repeat, N at a time (default: whole waves "
+                        "of N for --min-seconds of work, from the warm-up's step time)")
+    parser.add_argument("--min-seconds", type=float, default=5.0,
+                        help="work per batched repeat when --batched-requests is not given "
+                        "(default: 5)")
     add_modes_arg(parser)
     parser.add_argument("--bench-seed", type=int, default=0,
                         help="seed of the random token-id prompts (default: 0)")
@@ -307,6 +352,10 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         ns.max_num_seqs = max(ns.batch_sizes)
     base = EngineArgs.from_cli_args(ns)
     try:
+        if ns.batched_repeats < 1 or (ns.batched_requests is not None
+                                      and ns.batched_requests < 1) or ns.min_seconds < 0:
+            raise ValueError("--batched-repeats and --batched-requests must be >= 1, "
+                             "--min-seconds >= 0")
         modes = parse_modes(ns.modes)
         hf_modes = parse_hf_modes(ns.peer_hf_modes) if ns.peer else []
     except ValueError as e:
@@ -314,7 +363,8 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     rows, device = run_decode_bench(
         base, modes, ns.batch_sizes, ns.prompt_len, ns.batched_prompt_len, ns.new_tokens,
-        ns.repeats, ns.bench_seed, profile_dir=ns.profile,
+        ns.repeats, ns.bench_seed, profile_dir=ns.profile, batched_repeats=ns.batched_repeats,
+        batched_requests=ns.batched_requests, min_seconds=ns.min_seconds,
     )
     row_dicts = [r.as_dict() for r in rows]
     peers = [p.as_dict() for p in run_hf_peer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from time import perf_counter
 
+from replaylm.engine.kv_sizing import KVResize
 from replaylm.graphs.audit import AuditReport, GraphAuditError
 from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.weight_update import Source, WeightUpdate, wire_source
@@ -75,6 +76,22 @@ class RanksWeightsAndSleep:
 
     def reset_prefix_cache(self) -> int:
         return sum(self._each_leader("reset_prefix_cache"))
+
+    def resize_kv_cache(self, num_blocks: int) -> KVResize:
+        """Every data-parallel rank resizes its pool (``EngineCore.resize_kv_cache``; each
+        leader hands it to its tensor-parallel followers, whose block ids are the leader's).
+        Returns rank 0's report with ``freed_bytes``, ``taken_bytes``, ``mapped_bytes`` and
+        ``evicted_blocks`` summed over the data-parallel leaders, and the call's seconds. A
+        refusal raises at the first rank that refuses: the ranks before it have resized."""
+        if self.is_sleeping():
+            raise RuntimeError("resize_kv_cache: the engine is asleep: call wake_up() first")
+        t0 = perf_counter()
+        reports = self._each_leader("resize_kv_cache", num_blocks)
+        return dataclasses.replace(
+            reports[0], **{k: sum(getattr(r, k) for r in reports)
+                           for k in ("freed_bytes", "taken_bytes", "mapped_bytes",
+                                     "evicted_blocks")},
+            seconds=perf_counter() - t0)
 
     def _each_leader(self, op: str, *args) -> list:
         """``op`` on every data-parallel leader in turn; a refusal raises as the rank raised

@@ -10,9 +10,10 @@ the tier agreement, so every data-parallel rank steps in lockstep.
 
 The leader's runner sends each step to its followers in one message over a pipe
 (``("step", StepInput)``, ``("idle",)``, ``("stop",)``, and after an in-place weight update
-it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``
-after the leader's own; its LoRA slot changes, ``("lora_load", slot, request)`` and
-``("lora_clear", slot)``, before the steps that use them); a follower runs the same step on its
+it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``,
+``("resize_kv_cache", num_blocks)`` after the leader's own; its LoRA slot changes,
+``("lora_load", slot, request)`` and ``("lora_clear", slot)``, before the steps that use
+them); a follower runs the same step on its
 shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
@@ -159,6 +160,7 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
     cfg, model_dir = load_model_config(args.model)
     runner = ModelRunner(args, cfg, resolve_weights_dir(model_dir, cfg, args.load_format),
                          resolve_max_model_len(args, cfg), tpc)
+    runner.prepare_sleep()
     conn.send(("ok", {"device": runner.device, "dtype": runner.dtype,
                       "graph_mode": runner.graph_mode, "num_blocks": runner.num_blocks,
                       "tune_seconds": runner.tune_seconds}))
@@ -175,6 +177,8 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             runner.sleep(rest[0])
         elif op == "wake_up":
             runner.wake_up()
+        elif op == "resize_kv_cache":  # the leader checked its requests' blocks
+            runner.resize_kv(rest[0])
         elif op == "lora_load":  # the leader's LoRA slot changes, ahead of their steps
             runner.load_lora(*rest)
         elif op == "lora_clear":
@@ -215,7 +219,8 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         return "ok", core.remove_lora(*args)
     if op == "stats":
         return "ok", _snapshot(core)
-    if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache"):
+    if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache",
+              "resize_kv_cache"):
         call = (from_wire(args[0]), args[1]) if op == "update_weights" else args
         try:
             result = getattr(core, op)(*call)
@@ -224,7 +229,7 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         except RuntimeError as e:  # asleep or awake already, or a graph audit's finding
             return "refused", (type(e).__name__, str(e))
         # The followers' shards follow what the leader's did (a draft model is the leader's).
-        follow = op in ("sleep", "wake_up") or (op == "update_weights" and args[1] == "model")
+        follow = op in ("sleep", "wake_up", "resize_kv_cache") or (op == "update_weights" and args[1] == "model")
         if follow and core.runner.broadcast is not None:
             core.runner.broadcast((op, *args[:1]))
         return "ok", result

@@ -150,6 +150,36 @@ class BlockManager:
                 else:
                     self._free.append(block)
 
+    def resize(self, num_blocks: int) -> int:
+        """Hand out blocks ``1 .. num_blocks - 1`` from now on. Growing adds the new blocks to
+        the free pool (handed out after the ones free already); shrinking forgets the
+        prefix-cached blocks at or above ``num_blocks`` (none may be held: ``RuntimeError``
+        naming them, the pool unchanged). Returns the cached blocks evicted."""
+        if num_blocks < 2:
+            raise ValueError(f"BlockManager needs num_blocks >= 2 (block 0 is reserved "
+                             f"scratch), got {num_blocks}")
+        old = self.num_blocks
+        if num_blocks >= old:
+            self._refcount.extend([0] * (num_blocks - old))
+            self._free[:0] = range(num_blocks - 1, old - 1, -1)  # the bottom of the stack
+            self.num_blocks = num_blocks
+            return 0
+        held = [b for b in range(num_blocks, old) if self._refcount[b]]
+        if held:
+            raise RuntimeError(f"cannot shrink the KV pool to {num_blocks} blocks: blocks "
+                               f"{held[:8]}{' ...' if len(held) > 8 else ''} above it are held "
+                               "by requests (finish or abort them first)")
+        evicted = 0
+        if self.cache is not None:
+            for b in range(num_blocks, old):
+                if b in self.cache.entries:
+                    self.cache.forget(b)
+                    evicted += 1
+        self._free = [b for b in self._free if b < num_blocks]
+        del self._refcount[num_blocks:]
+        self.num_blocks = num_blocks
+        return evicted
+
     # Prefix caching --------------------------------------------------------------------------
 
     def match_prefix(self, req: Request) -> int:

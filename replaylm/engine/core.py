@@ -73,6 +73,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         )
         # LoRA (``enable_lora``): adapters on the host and in the runner's device slots.
         self.lora: LoRAManager | None = None
@@ -104,6 +105,9 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
         self.agree: Agree | None = None
+        self.runner.prepare_sleep()  # every graph (the draft model's too) is captured by now
+        if draft_runner is not None:
+            draft_runner.prepare_sleep()
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)
@@ -270,8 +274,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         if self.speculation is None:
             out = self.scheduler.schedule()
             launched, deltas = self.launch(out)
-            keep = self.overlap and not self.structured.in_step(out)
-            for due in self.due(launched, keep_in_flight=keep):
+            for due in self.due(launched, keep_in_flight=self.overlap):
                 deltas += self.resolve(due)
         else:
             launched, deltas = self.speculation.step()
@@ -288,10 +291,16 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             if self.agree is not None:
                 self.runner.idle(self.agree)
             return None, []
-        if self.structured.busy:  # masks of the constrained requests this step samples
-            self.structured.prepare(out)
         obs = self.step_observer
-        pending, dispatch, padded = self.runner.execute(out, on_launch=obs.launching,
+
+        def before_launch() -> None:  # the host batch is built; nothing is on the device yet
+            if self.structured.busy:  # masks of the constrained requests this step samples
+                if self.inflight is not None and self.structured.in_step(out):
+                    self.advance_grammars(self.inflight)  # the masks continue its tokens
+                self.structured.prepare(out)
+            obs.launching()
+
+        pending, dispatch, padded = self.runner.execute(out, on_launch=before_launch,
                                                         agree=self.agree)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
         self.scheduler.launched(out)
@@ -299,7 +308,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.stats.record_step(StepRecord(
             mode=dispatch.mode, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
             padded_tokens=padded, num_reqs=len(out.scheduled),
-            fallback_reason=dispatch.reason,
+            fallback_reason=dispatch.reason, prefill_tokens=out.num_prefill_tokens,
         ))
         return Launched(out, pending, dispatch, padded), errors
 
@@ -317,16 +326,25 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         return self.apply(step, self.wait(step))
 
     def wait(self, step: Launched) -> list[int]:
-        """A launched step's sampled tokens, on the host."""
-        t0 = time.perf_counter()
-        sampled = step.pending.tokens() if step.pending is not None else []
-        self.step_observer.waited(time.perf_counter() - t0)
-        return sampled
+        """A launched step's sampled tokens, on the host (waited for once)."""
+        if step.sampled is None:
+            t0 = time.perf_counter()
+            step.sampled = step.pending.tokens() if step.pending is not None else []
+            self.step_observer.waited(time.perf_counter() - t0)
+        return step.sampled
+
+    def advance_grammars(self, step: Launched) -> None:
+        """Let the grammars of ``step``'s constrained requests take its tokens now, ahead of
+        the rest of ``apply`` (``structured.masks``: the overlap rule)."""
+        if step.refused is None:
+            step.refused = self.structured.advance(step.out, self.wait(step))
 
     def apply(self, step: Launched, sampled: list[int]) -> list[RequestDelta]:
         """Apply a step's samples to its requests: outputs, stop checks, deltas."""
         attach_logprobs(step.out, step.pending, sampled)
-        refused = self.structured.advance(step.out, sampled) if self.structured.requests else []
+        if step.refused is None and self.structured.requests:
+            self.advance_grammars(step)
+        refused = step.refused or []
         changed = self.scheduler.update(step.out, sampled)
         deltas = [self._fail(req, e) for req, e in refused]
         for req in changed:

@@ -12,6 +12,7 @@ from replaylm.batch import BLOCK_SIZE
 from replaylm.config import EngineArgs
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.runner_setup import make_attention_backend
+from replaylm.memory.sleep import Sleeper
 from replaylm.model.config import ModelConfig
 from replaylm.speculative.config import FIELD, SpecConfig
 
@@ -37,6 +38,9 @@ class DraftModelRunner(ModelRunner):
         self.verify_accept = None
         self.attn = make_attention_backend(args.attention_backend, self.device, self.graph_mode)
         self._load(model_dir)
+        # Sleep mode: the draft's weights and KV pool sleep and wake with the target's.
+        self.arena, self._weights_region = self._adopt_weights()
+        self.sleeper: Sleeper | None = None
         self.fixed_blocks = spec.num_draft_kv_blocks
         self.slack_blocks = args.max_num_seqs * -(-spec.num_speculative_tokens // BLOCK_SIZE)
         self._graph_bytes = 0
@@ -58,7 +62,10 @@ class DraftModelRunner(ModelRunner):
         useful = self.args.max_num_seqs * self.max_blocks_per_req + 1
         self.num_blocks = (self.fixed_blocks if self.fixed_blocks is not None
                            else min(useful, target_blocks + self.slack_blocks))
-        self.kv_caches = self._allocate_kv(self.num_blocks)
+        self.kv_caches = self._allocate_kv(self.num_blocks, self.arena)
+        if self._weights_region is not None:
+            self.sleeper = Sleeper(self.arena, [self._weights_region],
+                                   [self.arena.regions["kv"]])
         self._start_graphs()
 
 
@@ -70,6 +77,7 @@ def load_draft_runner(args: EngineArgs, spec: SpecConfig, target: ModelConfig,
 
     draft_args = dataclasses.replace(
         args, model=spec.model, speculative_config=None, num_kv_blocks=None,
+        max_num_kv_blocks=None,
         enable_prefix_caching=False, skip_tokenizer_init=True, tokenizer=None,
         max_model_len=max_model_len, tensor_parallel_size=1, data_parallel_size=1,
         all_reduce_backend="nccl", enable_dp_attention=False)  # unsharded, no collective

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from replaylm.config import EngineArgs
 from replaylm.engine.model_runner import ModelRunner
@@ -16,12 +16,18 @@ from replaylm.structured.masks import StructuredOutputs
 
 @dataclass
 class Launched:
-    """A step on the device: what was scheduled, its pending samples, how it ran."""
+    """A step on the device: what was scheduled, its pending samples, how it ran.
+
+    ``sampled``: its tokens once waited for (``EngineCore.wait``); ``refused``: once the
+    grammars of its constrained requests have taken those tokens, the requests whose token
+    a grammar refused (None before)."""
 
     out: SchedulerOutput
     pending: PendingStep | None
     dispatch: Dispatch
     padded: int
+    sampled: list[int] | None = None
+    refused: list[tuple[Any, Exception]] | None = None
 
 
 class StepHost(Protocol):

@@ -38,6 +38,7 @@ from replaylm.lora.request import LoRARequest
 from replaylm.lora.slots import LoRASlots
 from replaylm.memory.arena import Arena, Region, adopt_parameters
 from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
+from replaylm.model.compressed_tensors import fp8_scheme
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.loader import load_model
@@ -108,12 +109,17 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
                                    max_rows=args.max_num_seqs * self.rows_per_req)
         t0 = time.perf_counter()
-        self.num_blocks = self._decide_num_blocks()
+        if args.max_num_kv_blocks is not None and self.arena is None:
+            self.arena = Arena(self.device)  # a resizable pool: its addresses reserved
+        self.num_blocks = self._aligned_blocks(self._decide_num_blocks(), self.arena)
+        if args.max_num_kv_blocks is not None:
+            self.num_blocks = min(self.num_blocks, args.max_num_kv_blocks)
         if tp is not None:  # the leader's block ids index every rank's pool
             self.num_blocks = tp.min_int(self.num_blocks)
-        self.kv_caches = self._allocate_kv(self.num_blocks, self.arena)
+        self.kv_caches = self._allocate_kv(self.num_blocks, self.arena,
+                                           args.max_num_kv_blocks or self.num_blocks)
         self.sleeper = (Sleeper(self.arena, [weights], [self.arena.regions["kv"]])
-                        if self.arena is not None else None)
+                        if weights is not None else None)
         self.kv_sizing_seconds = time.perf_counter() - t0  # the profiling forward included
         self._warm_sampler()
         self._start_graphs()
@@ -152,9 +158,10 @@ class ModelRunner(RunnerStartup, KVSizing):
         """The model's weights and kernel settings (the attention backend chosen first)."""
         args, cfg = self.args, self.cfg
         t0 = time.perf_counter()
+        fp8 = fp8_scheme(self.full_cfg, model_dir, args.quantization, args.quantize_lm_head)
         self.model: CausalLM = load_model(
             cfg, model_dir, args.load_format, self.dtype, self.device, args.seed, self.tp,
-            self.full_cfg, self.dp)
+            self.full_cfg, self.dp, fp8)
         self.load_seconds = time.perf_counter() - t0
         self.model.poison_padding = args.poison_padding
         self.model.use_side_stream(args.moe_side_stream_max_tokens)
@@ -344,6 +351,12 @@ class ModelRunner(RunnerStartup, KVSizing):
             raise ValueError("sleep needs EngineArgs.enable_sleep_mode=True (the weights and "
                              "the KV pool must live in address-stable memory)")
         return self.sleeper.sleep(level)
+
+    def prepare_sleep(self) -> None:
+        """With sleep mode and ``sleep_pin_ahead``: pin level 1's host copy on a background
+        thread (``Sleeper.prepare_host``). Called once no graph will be captured any more."""
+        if self.sleeper is not None and self.args.sleep_pin_ahead:
+            self.sleeper.prepare_host()
 
     def wake_up(self) -> WakeReport:
         """Map the memory back at the same addresses (``memory.sleep``)."""

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from replaylm.config import EngineArgs
+from replaylm.engine.kv_sizing import KVResize
 from replaylm.engine.observer import StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
@@ -41,8 +42,9 @@ class Engine(Protocol):
     ``live_stats`` the same counters as another thread may read them without a message to
     any worker. ``update_weights`` copies new weights into the model's buffers in place
     (``model.weight_update``); ``sleep``/``wake_up`` free and map back the memory of the
-    weights and the KV pool at the same addresses (``memory.sleep``), ``audit_graphs`` checks
-    the captured graphs' addresses (``graphs.audit``). ``shutdown()`` ends whatever processes
+    weights and the KV pool at the same addresses (``memory.sleep``), ``resize_kv_cache`` maps
+    more or fewer KV blocks under the pool's reserved range, ``audit_graphs`` checks the
+    captured graphs' addresses (``graphs.audit``). ``shutdown()`` ends whatever processes
     the engine holds (idempotent).
     """
 
@@ -96,5 +98,7 @@ class Engine(Protocol):
     def audit_graphs(self) -> AuditReport: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+    def resize_kv_cache(self, num_blocks: int) -> KVResize: ...
 
     def shutdown(self) -> None: ...

@@ -47,6 +47,12 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens of prompt chunks (and recomputes): runs of more than one known token. The
+        rest of ``num_batched_tokens`` decodes (one token, or one plus its drafts)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.num_new_tokens > 1 + len(s.drafts))
+
+    @property
     def num_sampled(self) -> int:
         """Sampled rows: one per sampling request, ``k + 1`` for one verifying ``k`` drafts."""
         return sum(1 + len(s.drafts) for s in self.scheduled if s.sample)
@@ -63,6 +69,12 @@ class Scheduler:
     FCFS while slots, budget and blocks allow, never overtaking a request that does not fit.
     When the pool runs out, the most recently admitted running request is preempted: its blocks
     are freed and it goes back to the front of the queue to be recomputed from scratch.
+
+    With chunked prefill, a step in which some running request decodes carries at most
+    ``max_mixed_prefill_tokens`` prompt tokens (0: the whole budget), so the prefills of
+    new requests spread over the decode steps instead of making a few steps many times
+    longer than the rest; a step with nothing to decode fills the whole budget.
+
     A request whose LoRA adapter is not in a device slot yet is passed over (it keeps its
     place) while the ones behind it are admitted (``adapters``).
     """
@@ -75,6 +87,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_mixed_prefill_tokens: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError(
@@ -100,6 +113,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         # Min-heap: the lowest free slot is reused first, keeping slot ids compact.
@@ -164,6 +178,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill_room = self._prefill_room()
         bm = self.block_manager
 
         i = 0
@@ -174,11 +189,12 @@ class Scheduler:
                 continue
             n = req.num_tokens - req.num_computed_tokens
             assert n >= 1, f"{req!r} is running with nothing to compute"
-            if n > budget:
-                if not self.enable_chunked_prefill:
+            limit = budget if n == 1 else min(budget, prefill_room)
+            if n > limit:
+                if not self.enable_chunked_prefill or limit == 0:
                     i += 1  # an unsplittable prefill waits; later decodes may still fit
                     continue
-                n = budget
+                n = limit
             drafts = self._drafts(req, n, budget)
             if drafts and not bm.allocate(req, req.num_computed_tokens + n + len(drafts)):
                 drafts = []  # drafts never preempt anyone: verify without them
@@ -196,6 +212,8 @@ class Scheduler:
                 break  # blocked, or req was the last running request and preempted itself
             out.scheduled.append(self._scheduled(req, n, drafts))
             budget -= n
+            if n > 1 + len(drafts):
+                prefill_room -= n
             i += 1
 
         # After a preemption the pool is tight: admitting now would only evict again next step.
@@ -210,12 +228,13 @@ class Scheduler:
                 continue
             hit = self._reuse_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
+            limit = budget if n == 1 else min(budget, prefill_room)
+            if n > limit:
+                if not self.enable_chunked_prefill or limit == 0:
                     bm.free(req)  # give reused blocks back (they stay cached)
                     req.num_computed_tokens = 0
                     break
-                n = budget
+                n = limit
             if not bm.allocate(req, req.num_computed_tokens + n):
                 bm.free(req)
                 req.num_computed_tokens = 0
@@ -230,7 +249,20 @@ class Scheduler:
             out.newly_slotted.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+            if n > 1:
+                prefill_room -= n
         return out
+
+    def _prefill_room(self) -> int:
+        """Prompt tokens this step may carry: ``max_mixed_prefill_tokens`` when a running
+        request will decode in it (chunked prefill on), else the whole budget."""
+        cap = self.max_mixed_prefill_tokens
+        if not cap or not self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1
+                       and not (r.num_pending and self._finishes_on_resolve(r))
+                       for r in self.running)
+        return min(cap, self.max_num_batched_tokens) if decoding else self.max_num_batched_tokens
 
     def launched(self, out: SchedulerOutput) -> None:
         """The step ``out`` was launched: advance computed counts, add pending samples."""
@@ -288,6 +320,12 @@ class Scheduler:
     @property
     def num_parked(self) -> int:
         return len(self._parked)
+
+    @property
+    def holders(self) -> list[Request]:
+        """Every request that may hold KV blocks: running, waiting (a prefix-cache match or a
+        preempted one's) and finished ones a launched step still reads (parked)."""
+        return [*self.running, *self.waiting, *self._parked]
 
     def check_integrity(self) -> None:
         """Check slots, statuses and the block pool against the queues (tests, debugging)."""

@@ -78,7 +78,7 @@ class Speculation:
             self.stats.record_launch(out.scheduled, out.num_batched_tokens, launched.padded,
                                      core.runner.layout_pad_tokens)
         verified = launched is not None and any(s.drafts for s in out.scheduled)
-        keep = core.overlap and not verified and not core.structured.in_step(out)
+        keep = core.overlap and not verified
         due = core.due(launched, keep_in_flight=keep)
         for step in due:
             deltas += self._resolve(step)

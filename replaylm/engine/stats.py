@@ -13,6 +13,7 @@ class StepRecord:
     padded_tokens: int
     num_reqs: int
     fallback_reason: str | None = None
+    prefill_tokens: int = 0  # of real_tokens: prompt chunks; the rest decode
 
 
 @dataclass

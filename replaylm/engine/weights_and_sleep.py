@@ -9,9 +9,11 @@ import logging
 
 from replaylm.config import EngineArgs
 from replaylm.engine.block_manager import BlockManager
+from replaylm.engine.kv_sizing import KVResize
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.request import Request
 from replaylm.engine.scheduler import Scheduler
+from replaylm.engine.stats import EngineStats
 from replaylm.graphs.audit import AuditReport
 from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.weight_update import Source, WeightUpdate
@@ -21,13 +23,15 @@ log = logging.getLogger(__name__)
 
 class WeightsAndSleep:
     """Reads the engine's ``args``, ``runner``, ``block_manager``, ``scheduler``,
-    ``requests``, and calls its ``has_unfinished`` and ``drafter``."""
+    ``requests``, ``max_model_len``, ``stats``, and calls its ``has_unfinished`` and ``drafter``."""
 
     args: EngineArgs
     runner: ModelRunner
     block_manager: BlockManager
     scheduler: Scheduler
     requests: dict[str, list[Request]]
+    max_model_len: int
+    stats: EngineStats
 
     def update_weights(self, source: Source, target: str = "model") -> WeightUpdate:
         """Copy new weights (a checkpoint directory or ``(name, tensor)`` pairs) into the
@@ -61,6 +65,9 @@ class WeightsAndSleep:
         if self.is_sleeping():
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
         report = self.runner.sleep(level)
+        draft = self._draft_sleeper()
+        if draft is not None:  # the draft model's weights and KV pool sleep with the target's
+            report = _summed(report, draft.sleep(level))
         self.block_manager.drop_cached_blocks()
         log.info("asleep (level %d): %.2f GiB freed on the device in %.2f s", level,
                  report.freed_bytes / 2**30, report.seconds)
@@ -74,6 +81,9 @@ class WeightsAndSleep:
         if not self.is_sleeping():
             raise RuntimeError("wake_up: the engine is not asleep")
         report = self.runner.wake_up()
+        draft = self._draft_sleeper()
+        if draft is not None and draft.asleep:
+            report = _summed(report, draft.wake())
         if self.args.graph_check:
             report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
         return report
@@ -87,10 +97,56 @@ class WeightsAndSleep:
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 
+    # KV pool resize ---------------------------------------------------------------------------
+
+    def resize_kv_cache(self, num_blocks: int) -> KVResize:
+        """Grow or shrink the KV pool to ``num_blocks`` blocks (block 0, the scratch block,
+        included) within the range reserved at start-up (``max_num_kv_blocks``): physical
+        memory is mapped or unmapped at the end of every layer's segment; no tensor, address
+        or graph changes. Shrinking evicts the prefix-cached blocks above the new size and
+        refuses (``RuntimeError``, nothing changed) while a request holds one. A size outside
+        ``[blocks for max_model_len + 1, max_num_kv_blocks]`` is a ``ValueError``; so is a
+        pool outside address-stable memory. With ``graph_check`` the graphs are audited."""
+        self._awake("resize_kv_cache")
+        runner, bm = self.runner, self.block_manager
+        runner.check_resize(num_blocks)
+        need = bm.blocks_for(self.max_model_len) + 1
+        if num_blocks < need:
+            raise ValueError(f"resize_kv_cache: num_blocks={num_blocks} is invalid: "
+                             f"max_model_len={self.max_model_len} needs at least {need} "
+                             "blocks (a lone request must always fit)")
+        if num_blocks < bm.num_blocks:
+            holders = [r.request_id for r in self.scheduler.holders
+                       if any(b >= num_blocks for b in r.block_ids)]
+            if holders:
+                raise RuntimeError(
+                    f"cannot shrink the KV pool to {num_blocks} blocks: requests "
+                    f"{holders[:8]} hold blocks above it (finish or abort them first)")
+        previous = bm.num_blocks
+        evicted = bm.resize(num_blocks)
+        try:
+            report = runner.resize_kv(num_blocks)
+        except BaseException:  # growing ran out of device memory: the old pool stands
+            bm.resize(previous)
+            raise
+        self.stats.kv_blocks_total = num_blocks - 1
+        report = dataclasses.replace(report, evicted_blocks=evicted)
+        if self.args.graph_check:
+            report = dataclasses.replace(report, audit=self.audit_graphs().as_dict())
+        return report
+
     def audit_graphs(self) -> AuditReport:
         """Check that no captured graph holds an address of unmapped or freed memory
         (``graphs.audit``); raises ``GraphAuditError`` naming the graph, kernel and parameter."""
-        return self.runner.audit_graphs()
+        report = self.runner.audit_graphs()
+        draft = getattr(self.drafter, "runner", None)
+        if draft is not None and getattr(draft, "graphs", None) is not None:
+            report = _summed(report, draft.audit_graphs())
+        return report
+
+    def _draft_sleeper(self):
+        """The draft model's ``Sleeper`` (sleep mode with a ``draft_model`` drafter), or None."""
+        return getattr(getattr(self.drafter, "runner", None), "sleeper", None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (``BlockManager.drop_cached_blocks``); the blocks freed."""
@@ -102,3 +158,11 @@ class WeightsAndSleep:
             raise RuntimeError(f"{what}: the engine is asleep (level {self.sleep_level}): "
                                "call wake_up() first")
 
+
+
+def _summed(a, b):
+    """``a`` (the target's report) with ``b``'s (the draft model's) byte counts, graph counts
+    and seconds added; the other fields are ``a``'s."""
+    sums = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)
+            if f.name not in ("level", "audit") and isinstance(getattr(a, f.name), int | float)}
+    return dataclasses.replace(a, **sums)

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from replaylm.config import EngineArgs
+from replaylm.engine.kv_sizing import KVResize
 from replaylm.engine.outputs import CompletionOutput, RequestOutput
 from replaylm.engine.protocol import Engine
 from replaylm.engine.stats import EngineStats
@@ -128,6 +129,15 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block; returns the blocks freed."""
         return self.engine.reset_prefix_cache()
+
+    def resize_kv_cache(self, num_blocks: int) -> KVResize:
+        """Grow or shrink the KV pool to ``num_blocks`` 16-token blocks (the scratch block 0
+        included) without touching a captured graph: the pool's addresses are reserved for
+        ``max_num_kv_blocks`` at start-up and physical memory is mapped or unmapped at the end
+        of each layer's range. Shrinking evicts prefix-cached blocks above the new size and
+        refuses (``RuntimeError``) while a request holds one. Needs ``max_num_kv_blocks`` (or
+        ``enable_sleep_mode``: then up to the start-up size); returns ``KVResize``."""
+        return self.engine.resize_kv_cache(num_blocks)
 
     def chat(
         self,

@@ -100,6 +100,10 @@ class AddressBook:
                 # A tensor may span the region's chunks from a pointer into any one of them:
                 # the whole region must be mapped.
                 region, i, chunk = hit
+                if chunk is None:
+                    return True, (f"arena region {region.name!r} at offset "
+                                  f"{addr - region.ptr}: reserved, not mapped (beyond the "
+                                  "mapped part of its segment)")
                 gone = [j for j, c in enumerate(region.chunks) if not c.mapped]
                 if not gone:
                     return True, None

@@ -27,8 +27,11 @@ class Graph:
         self.cuda = device.type == "cuda"
         self.graph = _cuda_graph() if self.cuda else StandInGraph(name)
         self.outputs: list[torch.Tensor] = []
+        # The captured function: a tool may capture it again (``benchmarks/graph_update.py``).
+        self.fn: Callable[[], Sequence[torch.Tensor]] | None = None
 
     def capture(self, fn: Callable[[], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        self.fn = fn
         if not self.cuda:
             self.outputs = self.graph.capture(fn, self.static)
             return self.outputs

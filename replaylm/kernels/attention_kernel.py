@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from replaylm.kernels.dot import dot
 from replaylm.kernels.pdl import wait_for_previous
 from replaylm.kernels.rope import norm_rope
 
@@ -59,7 +60,7 @@ def _attn_step(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi
 @triton.jit
 def _attn_update(acc, l_i, m_i, q, k, v, keys, hi, q_pos, sm_scale_log2, MASKED: tl.constexpr):
     """Fold a loaded key block ``k``/``v`` (key positions ``keys``) into the online softmax."""
-    s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+    s = dot(q, tl.trans(k)) * sm_scale_log2
     if MASKED:
         visible = (keys[None, :] <= q_pos[:, None]) & (keys < hi)[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -73,7 +74,7 @@ def _attn_update(acc, l_i, m_i, q, k, v, keys, hi, q_pos, sm_scale_log2, MASKED:
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
 

@@ -51,10 +51,11 @@ SHIPPED_DIR = Path(__file__).resolve().parent / "tuned" / "compile_plans"
 UNRELATED_ARGS = frozenset({
     "model", "tokenizer", "seed", "load_format", "skip_tokenizer_init", "compile_ahead",
     "shipped_tuning_table", "tuning_compile_threads", "gpu_memory_utilization",
-    "num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs", "max_stop_strings",
-    "max_stop_string_length", "distributed_timeout_s", "graph_check", "enable_sleep_mode",
+    "num_kv_blocks", "max_num_kv_blocks", "cpu_kv_cache_gib", "max_logprobs",
+    "max_stop_strings", "max_stop_string_length", "distributed_timeout_s", "graph_check",
+    "enable_sleep_mode", "sleep_pin_ahead",
     "structured_outputs_any_whitespace", "structured_outputs_compile_timeout_s",
-    "structured_outputs_compile_threads", "max_cpu_loras"})
+    "structured_outputs_compile_threads", "max_mixed_prefill_tokens", "max_cpu_loras"})
 
 #: LoRA's settings: part of the key only with LoRA on (its kernels then compile), so a start
 #: without LoRA keys as it would without these settings at all.

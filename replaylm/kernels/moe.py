@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replaylm.kernels.dot import dot
+
 BLOCK_M = 16  # slots per tile (tl.dot needs at least 16)
 
 
@@ -71,11 +73,14 @@ def _tile(slot_rows_ptr, tile_expert_ptr, num_assign, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num_assign,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num_assign,
                     H: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_SCALE: tl.constexpr):
     """``inter[slot] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`` for one tile's slots and a
-    ``BLOCK_N`` strip of the expert's ``I`` columns (``w`` is ``[E, 2I, H]``)."""
+    ``BLOCK_N`` strip of the expert's ``I`` columns (``w`` is ``[E, 2I, H]``; FP8 with
+    ``HAS_SCALE``: converted to the input's dtype for the dot, its rows' scales ``s``
+    ``[E, 2I]`` applied to the sums)."""
     e, offs_m, rows, valid, offs_n = _tile(slot_rows_ptr, tile_expert_ptr, num_assign,
                                            BLOCK_M, BLOCK_N)
     if e < 0:
@@ -94,8 +99,12 @@ def _gate_up_kernel(x_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num
         wg = tl.load(w_base + offs_n[None, :] * H + offs_k[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_base + (offs_n[None, :] + INTER) * H + offs_k[:, None], mask=w_mask,
                      other=0.0)
-        acc_g += tl.dot(a, wg)
-        acc_u += tl.dot(a, wu)
+        acc_g += dot(a, wg.to(a.dtype))
+        acc_u += dot(a, wu.to(a.dtype))
+    if HAS_SCALE:
+        s_base = s_ptr + e.to(tl.int64) * (2 * INTER)
+        acc_g *= tl.load(s_base + offs_n, mask=n_mask, other=0.0)[None, :]
+        acc_u *= tl.load(s_base + INTER + offs_n, mask=n_mask, other=0.0)[None, :]
     dt = inter_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -105,11 +114,12 @@ def _gate_up_kernel(x_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, inter_ptr, num
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, out_ptr,
+def _down_kernel(inter_ptr, w_ptr, s_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, out_ptr,
                  num_assign, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
     """``out[assignment] = weight · (inter[slot] @ down_e^T)`` for one tile and a ``BLOCK_N``
-    strip of the ``H`` outputs (``w`` is ``[E, H, I]``)."""
+    strip of the ``H`` outputs (``w`` is ``[E, H, I]``; FP8 with ``HAS_SCALE``, its rows'
+    scales ``s`` ``[E, H]``)."""
     e, offs_m, rows, valid, offs_n = _tile(slot_rows_ptr, tile_expert_ptr, num_assign,
                                            BLOCK_M, BLOCK_N)
     if e < 0:
@@ -124,7 +134,9 @@ def _down_kernel(inter_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, 
                     mask=k_mask[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * INTER + offs_k[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w)
+        acc += dot(a, w.to(a.dtype))
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + e.to(tl.int64) * H + offs_n, mask=n_mask, other=0.0)[None, :]
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * weight[:, None]
@@ -134,9 +146,11 @@ def _down_kernel(inter_ptr, w_ptr, slot_rows_ptr, tile_expert_ptr, weights_ptr, 
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, block_n: int = 64,
-              block_k: int = 64) -> torch.Tensor:
-    """``ref.fused_moe`` through the grouped kernels (same arguments and result)."""
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+              block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """``ref.fused_moe`` through the grouped kernels (same arguments and result; FP8
+    experts with their scales too)."""
     t, h = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter_size, top_k = two_i // 2, topk_ids.shape[1]
@@ -148,10 +162,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     if tiles == 0:  # no rows
         return torch.zeros_like(x)
     _gate_up_kernel[(tiles, triton.cdiv(inter_size, block_n))](
-        x, w_gate_up.contiguous(), slot_rows, tile_expert, inter, t * top_k, H=h,
-        INTER=inter_size, TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        x, w_gate_up.contiguous(), _scale_arg(gate_up_scale, w_gate_up), slot_rows,
+        tile_expert, inter, t * top_k, H=h, INTER=inter_size, TOP_K=top_k, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=gate_up_scale is not None)
     _down_kernel[(tiles, triton.cdiv(h, block_n))](
-        inter, w_down.contiguous(), slot_rows, tile_expert,
+        inter, w_down.contiguous(), _scale_arg(down_scale, w_down), slot_rows, tile_expert,
         topk_weights.to(x.dtype).contiguous().flatten(), per_assignment, t * top_k, H=h,
-        INTER=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        INTER=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_SCALE=down_scale is not None)
     return per_assignment.view(t, top_k, h).sum(dim=1)
+
+
+def _scale_arg(scale: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """The scale pointer a kernel gets: FP8 experts' ``[E, N]`` float32 scales, or (unused
+    without ``HAS_SCALE``) the weight itself."""
+    return weight if scale is None else scale.contiguous()

@@ -195,11 +195,13 @@ def _strip_dot(acc, w_ptrs, x_ptrs, n_mask, cols, K: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, inter_ptr, H: tl.constexpr,
+                    INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """``inter[a] = silu(x_t @ gate_e^T) * (x_t @ up_e^T)`` for assignment ``a = t·k + j``
-    and one ``BLOCK_N`` strip of its expert's ``I`` columns (``w`` is ``[E, 2I, H]``)."""
+    and one ``BLOCK_N`` strip of its expert's ``I`` columns (``w`` is ``[E, 2I, H]``; FP8
+    with ``HAS_SCALE``, its rows' scales ``s`` ``[E, 2I]`` applied to the sums)."""
     a = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -213,8 +215,14 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, inter_ptr, H: tl.constexpr, INTER: tl
     acc_u = _strip_dot(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), gate_ptrs + INTER * H,
                        x_ptrs, n_mask, cols, H, BLOCK_K, EVEN_N)
     dt = inter_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
-    u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if HAS_SCALE:
+        s_base = s_ptr + e * (2 * INTER)
+        g = g * tl.load(s_base + offs_n, mask=n_mask, other=0.0)
+        u = u * tl.load(s_base + INTER + offs_n, mask=n_mask, other=0.0)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(inter_ptr + a * INTER + offs_n, (silu * u).to(dt), mask=n_mask)
 
@@ -242,10 +250,11 @@ def _down_fma(acc, w, x_rows, cols, k0, INTER: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexpr,
+def _down_kernel(inter_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexpr,
                  INTER: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_ROWS: tl.constexpr,
-                 CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
+                 CHUNKS: tl.constexpr, WHOLE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """``out[t] = sum_j weight[t, j] · (inter[t·k + j] @ down_e^T)`` over the token's ``k``
     experts, for one ``BLOCK_N`` strip of the ``H`` outputs (``w`` is ``[E, H, I]``): one
     ``[SLOTS·BLOCK_N, BLOCK_K]`` tile holds the strip of every expert (``SLOTS``: ``k`` to
@@ -264,7 +273,8 @@ def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexp
     rows_ok = real & (offs_n < H)
     cols = tl.arange(0, BLOCK_K)
     a = t * TOP_K + slot
-    e_off = tl.load(ids_ptr + a, mask=real, other=0).to(tl.int64) * (H * INTER)
+    e = tl.load(ids_ptr + a, mask=real, other=0).to(tl.int64)
+    e_off = e * (H * INTER)
     w0 = _down_chunk(w_ptr, e_off, offs_n, rows_ok, cols, 0, INTER, BLOCK_K, EVEN_ROWS)
     w1 = w0  # placeholders; chunks past the strip's end are never used
     w2 = w0
@@ -297,7 +307,10 @@ def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexp
             acc = _down_fma(acc, w, x_rows, cols, k0, INTER, BLOCK_K)
     dt = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + a, mask=real, other=0.0).to(tl.float32)
-    y = (tl.sum(acc, axis=1).to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # FP8 experts: each row's scale (``s`` is ``[E, H]``)
+        y = y * tl.load(s_ptr + e * H + offs_n, mask=rows_ok, other=0.0)
+    y = (y.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
     y = tl.where(real, y, 0.0)
     total = tl.sum(tl.reshape(y, (SLOTS, BLOCK_N)), axis=0)
     offs_out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -305,10 +318,11 @@ def _down_kernel(inter_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H: tl.constexp
 
 
 def gate_up_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
-                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int] | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(x_t @ gate_e^T) * (x_t @ up_e^T)`` for every assignment (``[T·k, I]``, row
     ``t·k + j`` for ``e = topk_ids[t, j]``); ``config``: ``(BLOCK_N, BLOCK_K, num_warps)``,
-    :func:`pick_config` when None."""
+    :func:`pick_config` when None; ``scale``: FP8 experts' per-row scales ``[E, 2I]``."""
     t, h = x.shape
     inter_size, top_k = w_gate_up.shape[1] // 2, topk_ids.shape[1]
     inter = torch.empty(t * top_k, inter_size, dtype=x.dtype, device=x.device)
@@ -316,18 +330,20 @@ def gate_up_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tenso
         return inter
     bn, bk, warps = config or pick_config(t * top_k, inter_size, h, x.device, operands=2)
     _gate_up_kernel[(t * top_k, triton.cdiv(inter_size, bn))](
-        x.contiguous(), w_gate_up, topk_ids.contiguous(), inter, H=h, INTER=inter_size,
-        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=inter_size % bn == 0,
+        x.contiguous(), w_gate_up, w_gate_up if scale is None else scale.contiguous(),
+        topk_ids.contiguous(), inter, H=h, INTER=inter_size, TOP_K=top_k, BLOCK_N=bn,
+        BLOCK_K=bk, EVEN_N=inter_size % bn == 0, HAS_SCALE=scale is not None,
         USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH)
     return inter
 
 
 def down_gemv(inter: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: tuple[int, int, int] | None = None,
-              ) -> torch.Tensor:
+              scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_j weight[t, j] · (inter[t·k + j] @ down_e^T)`` (``[T, H]``);
     ``config`` as in :func:`gate_up_gemv` (``BLOCK_N`` rows per expert; the tile has ``k``
-    times as many), :func:`pick_config` when None.
+    times as many), :func:`pick_config` when None; ``scale``: FP8 experts' per-row scales
+    ``[E, H]``.
 
     With PDL the kernel reads ``topk_ids`` before waiting for the kernel launched before it:
     no kernel that may still be running may write them (true after :func:`gate_up_gemv`,
@@ -341,21 +357,24 @@ def down_gemv(inter: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
     bn, bk, warps = config or pick_config(t, h, inter_size, inter.device, operands=slots)
     chunks = triton.cdiv(inter_size, bk)
     _down_kernel[(t, triton.cdiv(h, bn))](
-        inter, w_down, topk_ids.contiguous(), topk_weights.contiguous(), out, H=h,
-        INTER=inter_size, TOP_K=top_k, SLOTS=slots, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_ROWS=h % bn == 0 and slots == top_k, CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL,
-        USE_PDL=pdl.ENABLED, num_warps=warps, **pdl.LAUNCH)
+        inter, w_down, w_down if scale is None else scale.contiguous(), topk_ids.contiguous(),
+        topk_weights.contiguous(), out, H=h, INTER=inter_size, TOP_K=top_k, SLOTS=slots,
+        BLOCK_N=bn, BLOCK_K=bk, EVEN_ROWS=h % bn == 0 and slots == top_k, CHUNKS=chunks,
+        WHOLE=chunks <= MAX_UNROLL, HAS_SCALE=scale is not None, USE_PDL=pdl.ENABLED,
+        num_warps=warps, **pdl.LAUNCH)
     return out
 
 
 def gemv_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
              gate_up_config: tuple[int, int, int] | None = None,
              down_config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``ref.fused_moe`` (same arguments and result) by per-assignment GEMVs: two launches,
-    no grouping."""
-    inter = gate_up_gemv(x, w_gate_up.contiguous(), topk_ids, gate_up_config)
-    return down_gemv(inter, w_down.contiguous(), topk_weights, topk_ids, down_config)
+    """``ref.fused_moe`` (same arguments and result, FP8 experts with their scales too) by
+    per-assignment GEMVs: two launches, no grouping."""
+    inter = gate_up_gemv(x, w_gate_up.contiguous(), topk_ids, gate_up_config, gate_up_scale)
+    return down_gemv(inter, w_down.contiguous(), topk_weights, topk_ids, down_config,
+                     down_scale)
 
 
 @triton.jit

@@ -5,7 +5,9 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
   (``kernels.elementwise``).
 * :func:`linear` — the layers' projections and the LM head: at a few rows the faster of
   cuBLAS and the skinny kernel (``kernels.skinny``), measured per shape (``kernels.tuner``);
-  cuBLAS above ``skinny.MAX_M`` rows.
+  cuBLAS above ``skinny.MAX_M`` rows. FP8 weights (a ``scale`` given) take the skinny
+  kernel's FP8 variant or ``fp8_linear.matmul`` (W8A8 ``torch._scaled_mm``, or dequantize
+  + cuBLAS) the same way.
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
@@ -20,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.kernels import moe, moe_decode, ref, skinny, tuner
+from replaylm.kernels import fp8_linear, moe, moe_decode, ref, skinny, tuner
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
-from replaylm.kernels.ref import split_qkv
+from replaylm.kernels.ref import FP8_DTYPE, split_qkv
 
 __all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
            "shared_combine", "silu_and_mul", "silu_linear", "split_qkv"]
@@ -37,16 +39,19 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts (``ref.fused_moe``) on CUDA, reading only the chosen experts'
     weights: per-assignment GEMVs for at most ``moe_decode.MAX_ASSIGNMENTS`` (token,
     expert) pairs (a host-known count: a tier always takes the same path), the grouped
-    kernels above."""
+    kernels above. FP8 experts: the same kernels with the scales in their epilogues."""
+    scales = (gate_up_scale, down_scale)
     if not x.is_cuda:
-        return ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *scales)
     if topk_ids.numel() <= moe_decode.MAX_ASSIGNMENTS:
-        return moe_decode.gemv_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
-    return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return moe_decode.gemv_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *scales)
+    return moe.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *scales)
 
 
 def shared_combine(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
@@ -62,65 +67,86 @@ def _few_rows(x: torch.Tensor) -> bool:
     return 0 < x.shape[0] <= skinny.MAX_M and x.is_cuda
 
 
+def _kind(kind: str, weight: torch.Tensor) -> str:
+    """The tuner key's kind: the prologue, marked ``-fp8`` for FP8 weights (their own
+    kernels, candidates and decisions)."""
+    return f"{kind}-fp8" if weight.dtype == FP8_DTYPE else kind
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
-    for this shape; written into ``out`` when given.
+    for this shape; written into ``out`` when given. ``scale``: the per-row scales of an FP8
+    ``weight``, whose unfused path is ``fp8_linear.matmul`` (W8A8 or dequantize + cuBLAS).
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
     """
     if not _few_rows(x):
-        return ref.linear(x, weight, bias, out)
+        return _unfused_linear(x, weight, bias, out, scale)
     config = tuner.choose(
-        ("plain", x.shape[0], weight.shape[0], weight.shape[1], x.dtype, bias is not None),
+        (_kind("plain", weight), x.shape[0], weight.shape[0], weight.shape[1], x.dtype,
+         bias is not None),
         weight,
-        unfused=lambda w: ref.linear(x, w, bias, out),
-        fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out),
+        unfused=lambda w: _unfused_linear(x, w, bias, out, scale),
+        fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out, scale=scale),
     )
     if config is not None:
-        return skinny.skinny_linear(x, weight, bias, config=config, out=out)
-    return ref.linear(x, weight, bias, out)
+        return skinny.skinny_linear(x, weight, bias, config=config, out=out, scale=scale)
+    return _unfused_linear(x, weight, bias, out, scale)
+
+
+def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    out: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """cuBLAS: the plain GEMM, or for FP8 weights ``fp8_linear.matmul``."""
+    if scale is None:
+        return ref.linear(x, weight, bias, out)
+    return fp8_linear.matmul(x, weight, scale, bias, out)
 
 
 def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         bias: torch.Tensor | None, scale: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear``: two launches (one above ``MAX_M`` rows)."""
     normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), new_res
+    return linear(normed, weight, bias, scale=scale), new_res
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear``; returns ``(projection, new_residual)``. At a few
     rows one kernel does both when the measured choice says so."""
     if _few_rows(x):
-        key = ("norm" if residual is not None else "norm0", x.shape[0], weight.shape[0],
-               weight.shape[1], x.dtype, bias is not None)
+        key = (_kind("norm" if residual is not None else "norm0", weight), x.shape[0],
+               weight.shape[0], weight.shape[1], x.dtype, bias is not None)
         config = tuner.choose(
             key, weight,
-            unfused=lambda w: _unfused_norm_linear(x, residual, norm_weight, eps, w, bias),
+            unfused=lambda w: _unfused_norm_linear(x, residual, norm_weight, eps, w, bias,
+                                                   scale),
             fused=lambda cfg, w: skinny.skinny_norm_linear(x, residual, norm_weight, eps, w,
-                                                           bias, config=cfg))
+                                                           bias, config=cfg, scale=scale))
         if config is not None:
             return skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                             config=config)
-    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias)
+                                             config=config, scale=scale)
+    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale)
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
 
     def unfused(w: torch.Tensor = weight):
-        return linear(silu_and_mul(gate_up), w)
+        return linear(silu_and_mul(gate_up), w, scale=scale)
 
     if _few_rows(gate_up):
-        key = ("silu", gate_up.shape[0], weight.shape[0], weight.shape[1], gate_up.dtype, False)
-        config = tuner.choose(key, weight, unfused,
-                              lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg))
+        key = (_kind("silu", weight), gate_up.shape[0], weight.shape[0], weight.shape[1],
+               gate_up.dtype, False)
+        config = tuner.choose(
+            key, weight, unfused,
+            lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg, scale=scale))
         if config is not None:
-            return skinny.skinny_silu_linear(gate_up, weight, config=config)
+            return skinny.skinny_silu_linear(gate_up, weight, config=config, scale=scale)
     return unfused()

@@ -97,9 +97,39 @@ def rotary(
     return q, k
 
 
+#: The FP8 format of quantized weights and its largest finite value.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[..., N, K]`` as ``float8_e4m3fn`` with one float32 scale per output row
+    (``[..., N]``): ``scale = amax(|row|) / 448``, ``q = round(row / scale)``; an all-zero row
+    gets scale 1 (its values stay 0). ``dequantize(q, scale)`` gives the weight back within
+    e4m3's 3-bit mantissa."""
+    w = weight.float()
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+               ) -> torch.Tensor:
+    """``weight`` in ``dtype``: an FP8 weight times its per-row ``scale`` (computed in fp32,
+    then rounded once), any other weight as it is."""
+    if scale is None:
+        return weight if weight.dtype == dtype else weight.to(dtype)
+    return (weight.float() * scale[..., None]).to(dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``, written into ``out`` when given."""
+           out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, written into ``out`` when given. ``scale``: the per-row
+    float32 scales of an FP8 ``weight`` (``quantize_fp8``), which is dequantized to ``x``'s
+    dtype first."""
+    if scale is not None:
+        weight = dequantize(weight, scale, x.dtype)
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -109,16 +139,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None = None,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``."""
     normed, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), residual
+    return linear(normed, weight, bias, scale=scale), residual
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU-and-mul, then a projection (down_proj)."""
-    return linear(silu_and_mul(gate_up), weight)
+    return linear(silu_and_mul(gate_up), weight, scale=scale)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -142,7 +173,9 @@ def shared_combine(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: ``sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over the
     chosen experts ``e = ids[t, k]``, with ``w_gate_up`` ``[E, 2I, H]`` (gate | up) and
     ``w_down`` ``[E, H, I]``.
@@ -150,14 +183,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     Graph safe (no host sync, no data-dependent shape): each expert runs on every row and
     rows that did not choose it get weight 0, summed in expert order as transformers does.
     Every expert's weights are read whatever the routing; ``kernels.ops`` has the grouped
-    path that reads only the chosen ones.
+    path that reads only the chosen ones. ``gate_up_scale`` ``[E, 2I]`` / ``down_scale``
+    ``[E, H]``: the per-row scales of FP8 expert weights.
     """
     num_experts = w_gate_up.shape[0]
     dense = torch.zeros(x.shape[0], num_experts, dtype=topk_weights.dtype, device=x.device)
     dense.scatter_(1, topk_ids, topk_weights)  # [T, E]: routing weight, 0 where not chosen
     out = torch.zeros_like(x)
     for e in range(num_experts):
-        y = linear(silu_and_mul(linear(x, w_gate_up[e])), w_down[e])
+        gu_scale = None if gate_up_scale is None else gate_up_scale[e]
+        d_scale = None if down_scale is None else down_scale[e]
+        y = linear(silu_and_mul(linear(x, w_gate_up[e], scale=gu_scale)), w_down[e],
+                   scale=d_scale)
         # A row that did not choose e adds exactly 0 (padding rows may carry NaN: they are
         # dropped, and rows never mix here).
         out += torch.where(dense[:, e, None] != 0, y * dense[:, e, None], 0.0)

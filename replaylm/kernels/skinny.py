@@ -14,6 +14,12 @@ of a projection (each program sums the squares of the few input rows as it strea
 scales its outputs by 1/rms at the end; program 0 stores the new residual),
 ``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
 
+FP8 weights (``float8_e4m3fn`` with one float32 scale per output row, ``ref.quantize_fp8``)
+run through the same kernel: the one-byte weights stream in chunks twice as long in ``K``
+(``CANDIDATES_FP8``: 16 bytes per thread per load, as with bf16), are converted to fp32 in
+registers, and each output's sum is multiplied by its row's scale in the epilogue. The
+product is fp32 FMAs throughout (no tensor cores), so an fp32 model stays fp32.
+
 Which tile runs, and whether this kernel beats cuBLAS (or the separate prologue op) at a
 shape at all, is measured by ``kernels.tuner``; ``kernels.ops`` uses the result. The torch
 references are ``kernels.ref.linear`` / ``norm_linear`` / ``silu_linear``.
@@ -97,10 +103,10 @@ def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, 
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N, eps,
+def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, eps,
                    stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -158,6 +164,8 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, b_ptr, y_ptr, M, N,
         # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
         # scale leaves the sum, so one pass serves both the norm and the product.
         out = out * tl.rsqrt(sq / K + eps)[:, None]
+    if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
+        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -172,21 +180,34 @@ CANDIDATES: dict[int, list[tuple[int, int, int]]] = {
     4: [(4, 128, 4), (4, 256, 8), (8, 128, 4), (8, 256, 8)],
     8: [(2, 128, 4), (4, 128, 4), (4, 128, 8), (8, 64, 4)],
 }
+#: The candidates for one-byte (FP8) weights: the same strips twice as long in ``K``, so a
+#: thread's share of a chunk is as many bytes (16 per load) as with two-byte weights.
+CANDIDATES_FP8: dict[int, list[tuple[int, int, int]]] = {
+    bm: [(bn, 2 * bk, warps) for bn, bk, warps in cands] for bm, cands in CANDIDATES.items()}
 
 
-def candidate_configs(m: int, k: int) -> list[tuple[int, int, int, int]]:
-    """Every tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` the tuner times for ``m`` rows
-    and reduction length ``k``: ``CANDIDATES`` with ``BLOCK_K`` capped at ``k``'s next power
+def _candidates(weight_dtype: torch.dtype | None) -> dict[int, list[tuple[int, int, int]]]:
+    fp8 = weight_dtype is not None and weight_dtype.itemsize == 1
+    return CANDIDATES_FP8 if fp8 else CANDIDATES
+
+
+def candidate_configs(m: int, k: int, weight_dtype: torch.dtype | None = None,
+                      ) -> list[tuple[int, int, int, int]]:
+    """Every tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` the tuner times for ``m`` rows,
+    reduction length ``k`` and weights of ``weight_dtype`` (``CANDIDATES``, or
+    ``CANDIDATES_FP8`` for one-byte weights), with ``BLOCK_K`` capped at ``k``'s next power
     of two."""
     bm = triton.next_power_of_2(m)
-    return [(bm, bn, min(bk, triton.next_power_of_2(k)), warps) for bn, bk, warps in CANDIDATES[bm]]
+    return [(bm, bn, min(bk, triton.next_power_of_2(k)), warps)
+            for bn, bk, warps in _candidates(weight_dtype)[bm]]
 
 
-def pick_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype | None = None,
+                ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) without measuring: the first candidate whose
     strips cover the SMs about twice."""
     block_m = triton.next_power_of_2(max(m, 1))
-    cands = CANDIDATES[min(block_m, 8)]
+    cands = _candidates(weight_dtype)[min(block_m, 8)]
     for bn, bk, warps in cands:
         if triton.cdiv(n, bn) >= 256:
             return block_m, bn, min(bk, triton.next_power_of_2(k)), warps
@@ -209,15 +230,19 @@ def compile_only() -> Iterator[None]:
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            out: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
-    ``y`` goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor."""
+    ``y`` goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor.
+    ``scale``: the float32 per-row scales ``[N]`` of an FP8 ``weight``, applied to each sum
+    in the epilogue (the weights are converted to fp32 in registers as they stream)."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1, "weight rows must be contiguous"
+    assert scale is None or (scale.shape == (n,) and scale.dtype == torch.float32
+                             and scale.stride(0) == 1), "scale must be float32 [N]"
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
@@ -230,7 +255,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if residual.stride(1) != 1:
             residual = residual.contiguous()
         new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps = config or pick_config(m, n, k)
+    bm, bn, bk, warps = config or pick_config(m, n, k, weight.dtype)
     chunks = triton.cdiv(k, bk)
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
@@ -239,10 +264,12 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
               else _skinny_kernel[grid])
     kernel(
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
-        bias if bias is not None else weight, y, m, n, eps,
+        scale if scale is not None else weight, bias if bias is not None else weight, y, m, n,
+        eps,
         x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),
         K=k,
-        PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
         CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
         **pdl.LAUNCH,
@@ -252,17 +279,20 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, int, int, int] | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                  ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``.
-    ``out``: the ``[M, N]`` tensor to write it to (returned)."""
+    ``out``: the ``[M, N]`` tensor to write it to (returned). ``scale``: the per-row scales
+    of an FP8 ``weight`` (``ref.quantize_fp8``)."""
     if x.shape[0] > MAX_M or x.shape[0] == 0:
-        return ref.linear(x, weight, bias, out)
-    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out)[0]
+        return ref.linear(x, weight, bias, out, scale=scale)
+    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out, scale=scale)[0]
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        config: tuple[int, int, int, int] | None = None,
+                       scale: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual`` (``x`` when None), then
     ``rmsnorm(new_residual) * norm_weight @ weight.T + bias``, in one kernel (``M <= MAX_M``);
@@ -271,13 +301,15 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     the end (the normalised input is not rounded to the model dtype first, unlike the
     separate ops: results agree within that rounding). Program 0 writes the new residual."""
     assert 0 < x.shape[0] <= MAX_M
-    y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps)
+    y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps,
+                         scale=scale)
     return y, (x if new_res is None else new_res)
 
 
 def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                       config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                       config: tuple[int, int, int, int] | None = None,
+                       scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up`` ``[M, 2K]`` (gate first), in one
     kernel (``M <= MAX_M``)."""
     assert 0 < gate_up.shape[0] <= MAX_M
-    return _launch(PROLOGUE_SILU, gate_up, weight, None, config)[0]
+    return _launch(PROLOGUE_SILU, gate_up, weight, None, config, scale=scale)[0]

@@ -37,7 +37,7 @@ import torch
 import triton
 
 from replaylm.capture import graph_replay_us
-from replaylm.kernels import elementwise, skinny
+from replaylm.kernels import elementwise, fp8_linear, ref, skinny
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ TIE = 0.02
 #: (prologue, m, n, k, dtype, has_bias) -> decision (``tuning_cache.Decision``). Prologue
 #: "plain" is a bare projection (unfused = cuBLAS); "norm"/"norm0" (with/without a residual)
 #: and "silu" fold the residual add + RMSNorm or SiLU·mul into the projection's input
-#: (unfused = that op's own kernel, then the projection).
+#: (unfused = that op's own kernel, then the projection). With FP8 weights the prologue
+#: carries ``-fp8`` ("plain-fp8", ...) and the unfused projection is
+#: ``fp8_linear.matmul``.
 LINEAR_CHOICES: dict[tuple, Decision] = {}
 
 #: Where a decision can come from (``TuningStats.sources``): the user's cache, the shipped
@@ -118,14 +120,16 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.
 def kernels_revision() -> str:
     """A digest of what the decisions depend on: the Triton sources of the skinny kernel and
     of the separate norm and SiLU·mul kernels the fused prologues are timed against, the
-    tile candidates and the decision rule (``_tune``). An edited kernel or rule invalidates
+    FP8 weights' unfused path (``fp8_linear``), the tile candidates and the decision rule
+    (``_tune``). An edited kernel or rule invalidates
     the decisions cached on disk; an edit of other host code or docs does not."""
-    digest = hashlib.sha1(repr((skinny.CANDIDATES, skinny.MAX_UNROLL, skinny.MAX_M,
-                                TIE)).encode())
+    digest = hashlib.sha1(repr((skinny.CANDIDATES, skinny.CANDIDATES_FP8, skinny.MAX_UNROLL,
+                                skinny.MAX_M, TIE)).encode())
     for kernel in (skinny._weight_chunk, skinny._input_chunk, skinny._accumulate,
                    skinny._skinny_kernel, elementwise._add_rmsnorm_kernel,
                    elementwise._silu_mul_kernel):
         digest.update(inspect.getsource(kernel.fn).encode())
+    digest.update(inspect.getsource(fp8_linear).encode())  # FP8 weights' unfused path
     digest.update(inspect.getsource(_tune).encode())
     return digest.hexdigest()[:12]
 
@@ -164,17 +168,24 @@ def _stored(key: tuple, gpu: str) -> tuple[Decision, str] | None:
     return None
 
 
-def candidates(m: int, k: int) -> list[tuple[int, int, int, int]]:
-    """The tiles timed for ``m`` rows and reduction length ``k``: ``skinny.candidate_configs``
-    without repeats. Capping ``BLOCK_K`` at ``k`` turns some candidates into copies of
+def _weight_dtype(key: tuple) -> torch.dtype | None:
+    """The weights' dtype a key's candidates are for: FP8 for a ``-fp8`` prologue."""
+    return ref.FP8_DTYPE if key[0].endswith("-fp8") else None
+
+
+def candidates(m: int, k: int, weight_dtype: torch.dtype | None = None,
+               ) -> list[tuple[int, int, int, int]]:
+    """The tiles timed for ``m`` rows, reduction length ``k`` and weights of
+    ``weight_dtype``: ``skinny.candidate_configs`` without repeats. Capping ``BLOCK_K`` at ``k`` turns some candidates into copies of
     others (at ``k`` = 1024 the 2x2048 tile becomes the 2x1024 one); a copy is the same
     kernel, so timing it again cannot change the decision."""
-    return list(dict.fromkeys(skinny.candidate_configs(m, k)))
+    return list(dict.fromkeys(skinny.candidate_configs(m, k, weight_dtype)))
 
 
 def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], object],
            fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]):
-    """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)``, or
+    """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)`` (the
+    prologue marked ``-fp8`` for FP8 weights: ``kernels.ops``), or
     None when ``unfused`` (cuBLAS, or the separate prologue op plus the projection) is faster.
 
     Decided on first use outside graph capture: from the user's cache or the shipped table
@@ -195,12 +206,12 @@ def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], o
         found = _stored(key, gpu)
         if found is None:
             if _pass == "precompile":
-                _compile_ahead(fused, candidates(key[1], key[3]), weight)
+                _compile_ahead(fused, candidates(key[1], key[3], _weight_dtype(key)), weight)
                 return None
             start = time.perf_counter()
             choice, source = _tune(key, weight_rotation(weight), unfused, fused), "tuned"
             STATS.timing_s += time.perf_counter() - start
-            STATS.candidates_timed += len(candidates(key[1], key[3]))
+            STATS.candidates_timed += len(candidates(key[1], key[3], _weight_dtype(key)))
             _cache().store(key, gpu, choice)
         else:
             choice, source = found
@@ -304,7 +315,7 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     kind, m, n, k = key[:4]
     baseline = graph_time_us(unfused, weights)
     timed = [(cfg, graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights))
-             for cfg in candidates(m, k)]
+             for cfg in candidates(m, k, _weight_dtype(key))]
     fastest = min(us for _, us in timed)
     best, best_us = min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
                         key=lambda c: (c[0][3], c[1]))

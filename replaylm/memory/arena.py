@@ -11,6 +11,11 @@ On the CPU (CI) a region is a plain buffer: ``release()`` poisons it (every byte
 in every float dtype) so a stale read shows, and ``remap()`` marks it live again; the
 contents are whatever the caller restores.
 
+A segmented region (``Arena.segmented``) reserves ``count`` equal segments and maps only a
+prefix of each (``Region.fit``): the KV pool keeps each layer's K and V in a segment reserved
+for the largest pool, so growing or shrinking the pool maps or unmaps physical chunks at the
+end of every segment while each layer's tensor keeps its address and strides.
+
 ``adopt_parameters`` moves a module's parameters into one region (``param.data`` becomes a
 view of it), so graphs captured afterwards bake in arena addresses.
 """
@@ -49,7 +54,9 @@ class Chunk:
 @dataclass(eq=False)
 class Region:
     """One named range of an arena: ``nbytes`` asked for, ``size`` reserved (rounded up),
-    ``bytes`` the whole range as a uint8 tensor, ``chunks`` its physical pieces."""
+    ``bytes`` the whole range as a uint8 tensor, ``chunks`` its physical pieces (in address
+    order). A segmented region (``segment`` > 0) has ``size // segment`` segments of which
+    only a prefix of each has chunks (``fit``); the rest of the range is reserved, unmapped."""
 
     arena: Arena
     name: str
@@ -59,10 +66,18 @@ class Region:
     bytes: torch.Tensor
     chunks: list[Chunk] = field(default_factory=list)
     _used: int = 0
+    segment: int = 0
 
     @property
     def mapped(self) -> bool:
+        """Whether every chunk the region has is mapped (a segmented region's unmapped tails
+        hold no chunk: they are outside the region's memory, not asleep)."""
         return all(c.mapped for c in self.chunks)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of the region's chunks, mapped or not: its physical memory while awake."""
+        return sum(c.size for c in self.chunks)
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` at byte ``offset`` of the region."""
@@ -91,8 +106,30 @@ class Region:
         poisoned bytes as they are)."""
         self.arena._remap(self)
 
+    def fit(self, used: int) -> None:
+        """A segmented region's first ``used`` bytes of every segment mapped (rounded up to
+        the granularity), the rest of each segment unmapped and its memory freed; the bytes
+        kept hold their contents, the newly mapped ones are zeroed (``Arena.fit``)."""
+        self.arena.fit(self, used)
+
     def poison(self) -> None:
-        self.bytes.fill_(POISON_BYTE)
+        self.fill(POISON_BYTE)
+
+    def fill(self, value: int) -> None:
+        """Every byte of every chunk set to ``value`` (the unmapped parts left alone)."""
+        for lo, hi in self.spans():
+            self.bytes[lo:hi].fill_(value)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """The chunks' ``[start, end)`` offsets in the region, adjacent ones merged."""
+        out: list[tuple[int, int]] = []
+        for c in self.chunks:
+            lo = c.ptr - self.ptr
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], lo + c.size)
+            else:
+                out.append((lo, lo + c.size))
+        return out
 
 
 class Arena:
@@ -145,6 +182,105 @@ class Arena:
                  len(chunks))
         return region
 
+    def segmented(self, name: str, count: int, segment_bytes: int, used: int) -> Region:
+        """A region of ``count`` segments of ``segment_bytes`` each (rounded up to the
+        granularity), of which the first ``used`` bytes of each are mapped and zeroed
+        (``Region.fit``). On the CPU the whole range is one plain buffer."""
+        if name in self.regions:
+            raise ValueError(f"arena region {name!r} exists already")
+        g = self.granularity
+        segment = -(-max(int(segment_bytes), 1) // g) * g
+        size = count * segment
+        if self.cuda:
+            ptr = vmm.reserve(size, g)
+            buf = vmm.as_tensor(ptr, size, self.device)
+        else:
+            buf = torch.full((size,), POISON_BYTE, dtype=torch.uint8, device=self.device)
+            ptr = buf.data_ptr()
+        region = Region(self, name, ptr, size, size, buf, [], segment=segment)
+        try:
+            self.fit(region, used)
+        except BaseException:
+            if self.cuda:
+                for c in region.chunks:
+                    self._unmap(c)
+                vmm.free_address(ptr, size)
+            raise
+        self.regions[name] = region
+        log.info("arena region %s: %d segments of %.1f MiB reserved at %#x, %.1f MiB mapped",
+                 name, count, segment / 2**20, ptr, region.chunk_bytes / 2**20)
+        return region
+
+    def fit(self, region: Region, used: int) -> None:
+        """Map the first ``used`` bytes (rounded up to the granularity) of each segment of
+        ``region`` and unmap the rest. Chunks wholly kept stay as they are; a chunk that
+        straddles the new end is replaced by a smaller one holding the same leading bytes
+        (copied through a temporary buffer: a physical allocation is freed whole or not at
+        all); the gaps up to the new end get new chunks, zeroed. A failure to map (out of
+        device memory) unmaps what this call mapped and raises ``VMMError``, the region as
+        it was. On the CPU, bytes leaving the region are poisoned and new ones zeroed."""
+        seg = region.segment
+        if seg <= 0:
+            raise ValueError(f"arena region {region.name!r} is not segmented: it cannot be fit")
+        if not region.mapped:
+            raise RuntimeError(f"arena region {region.name!r} is released (asleep): wake it "
+                               "before resizing it")
+        g = self.granularity
+        want = min(seg, -(-max(int(used), 0) // g) * g)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        added: list[Chunk] = []  # mapped by this call: unmapped again if a later map fails
+        fresh: list[Chunk] = []  # new memory, zeroed at the end
+        try:
+            kept = self._trim(region, want, added)
+            step = max(g, CHUNK_BYTES // g * g)
+            for start in range(0, region.size, seg):
+                end = max((c.ptr - region.ptr + c.size for c in kept
+                           if start <= c.ptr - region.ptr < start + seg), default=start)
+                for off in range(end, start + want, step):
+                    c = Chunk(region.ptr + off, min(step, start + want - off))
+                    if self.cuda:
+                        c.mapped = False
+                        self._map(c)
+                    added.append(c)
+                    fresh.append(c)
+                    kept.append(c)
+        except BaseException:
+            for c in added:
+                if self.cuda:
+                    self._unmap(c)
+            raise
+        region.chunks = sorted(kept, key=lambda c: c.ptr)
+        for c in fresh:
+            lo = c.ptr - region.ptr
+            region.bytes[lo:lo + c.size].zero_()
+
+    def _trim(self, region: Region, want: int, added: list[Chunk]) -> list[Chunk]:
+        """``region``'s chunks cut to the first ``want`` bytes of each segment (``fit``)."""
+        kept: list[Chunk] = []
+        seg = region.segment
+        for c in region.chunks:
+            lo = c.ptr - region.ptr
+            end = min(lo + c.size, lo // seg * seg + want)
+            if end >= lo + c.size:
+                kept.append(c)
+                continue
+            if not self.cuda:
+                region.bytes[max(lo, end):lo + c.size].fill_(POISON_BYTE)
+                if end > lo:
+                    kept.append(Chunk(c.ptr, end - lo))
+                continue
+            saved = region.bytes[lo:end].clone() if end > lo and c.mapped else None
+            self._unmap(c)
+            if end > lo:
+                piece = Chunk(c.ptr, end - lo, mapped=False)
+                self._map(piece)
+                added.append(piece)  # a failure later unmaps it (the saved bytes are lost)
+                if saved is not None:
+                    region.bytes[lo:end].copy_(saved)
+                kept.append(piece)
+        return kept
+
     def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A region holding one zeroed tensor of ``shape``."""
         n = dtype.itemsize
@@ -160,13 +296,16 @@ class Arena:
 
     # Addresses, for the pointer audit ----------------------------------------------------------
 
-    def locate(self, addr: int) -> tuple[Region, int, Chunk] | None:
-        """The region, chunk index and chunk whose reserved range holds ``addr``, or None."""
+    def locate(self, addr: int) -> tuple[Region, int, Chunk | None] | None:
+        """The region, chunk index and chunk whose reserved range holds ``addr``; chunk
+        ``(-1, None)`` for an address in a region's reserved range that no chunk covers (a
+        segmented region's unmapped tail); None outside every region."""
         for r in self.regions.values():
             if r.ptr <= addr < r.ptr + r.size:
                 for i, c in enumerate(r.chunks):
                     if c.ptr <= addr < c.ptr + c.size:
                         return r, i, c
+                return r, -1, None
         return None
 
     def ranges(self) -> list[tuple[int, int]]:

@@ -1,6 +1,7 @@
 """Sleep and wake of a model's weights and KV pool, kept in arena regions (``arena``).
 
-``Sleeper.sleep(level)``: level 1 copies the weights to host memory (pinned on CUDA), level 2
+``Sleeper.sleep(level)``: level 1 copies the weights to host memory (pinned on CUDA, in pieces
+of ``HOST_PIECE_BYTES``, allocated ahead by ``prepare_host`` on a background thread), level 2
 keeps no copy (the caller will write new weights: ``update_weights``); then every weight and
 KV region is poisoned (0xFF: NaN in every float dtype, so a stale mapping would show) and
 released (CUDA: unmapped and its physical memory freed; CPU: left poisoned). ``wake()`` maps
@@ -10,12 +11,21 @@ weights poisoned until they are written) and zeroes the KV pool, as start-up lea
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from replaylm.memory.arena import Arena, Region
+
+log = logging.getLogger(__name__)
+
+#: Size of each piece of level 1's host copy. Torch's pinned-memory allocator rounds every
+#: request up to a power of two, so a whole-region buffer could pin up to twice the weights;
+#: power-of-two pieces pin what they hold (the last one rounds up to at most its own size).
+HOST_PIECE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -64,7 +74,53 @@ class Sleeper:
         # Level 1's host copies, kept after wake for the next sleep: pinning host memory
         # costs far more than the copy itself (seconds for an 8B model, against a third of
         # a second for the copy), and an engine that sleeps once usually sleeps again.
-        self._host: dict[str, torch.Tensor] = {}
+        self._host: dict[str, list[torch.Tensor]] = {}
+        self._pinning: threading.Thread | None = None
+        self._pin_error: BaseException | None = None
+        self.pinned_seconds = 0.0  # how long ``prepare_host``'s allocation took
+
+    def prepare_host(self) -> None:
+        """Allocate level 1's host copy now, on a background thread (pinning host memory
+        costs seconds for an 8B model: done ahead, the first ``sleep(1)`` only copies). Call
+        it once no graph will be captured any more: allocating pinned memory while a graph
+        is being captured on another thread is refused by the driver."""
+        if self._pinning is not None or self._host:
+            return
+        self._pinning = threading.Thread(target=self._pin_all, name="replaylm-sleep-pin",
+                                         daemon=True)
+        self._pinning.start()
+
+    def _pin_all(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            for r in self.weights:
+                self._host_pieces(r)
+            self.pinned_seconds = time.perf_counter() - t0
+            log.info("sleep: %.2f GiB of host memory pinned ahead in %.2f s",
+                     sum(r.nbytes for r in self.weights) / 2**30, self.pinned_seconds)
+        except BaseException as e:  # raised by the sleep that needs the copy
+            self._pin_error = e
+
+    def _host_pieces(self, r: Region) -> list[torch.Tensor]:
+        """``r``'s host copy, in pieces of at most ``HOST_PIECE_BYTES`` (allocated once)."""
+        pieces = self._host.get(r.name)
+        if pieces is None:
+            pin = self.arena.cuda
+            pieces = [torch.empty(min(HOST_PIECE_BYTES, r.nbytes - off), dtype=torch.uint8,
+                                  pin_memory=pin)
+                      for off in range(0, r.nbytes, HOST_PIECE_BYTES)]
+            self._host[r.name] = pieces
+        return pieces
+
+    def wait_host(self) -> None:
+        """Wait for ``prepare_host``'s thread; raise what it failed with."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
+        if self._pin_error is not None:
+            err, self._pin_error = self._pin_error, None
+            self._host.clear()
+            raise RuntimeError(f"sleep(level=1): pinning the host copy failed: {err}") from err
 
     @property
     def asleep(self) -> bool:
@@ -81,13 +137,13 @@ class Sleeper:
         before = device_free(device)
         backup = 0
         if level == 1:
+            self.wait_host()
             pin = device.type == "cuda"
             for r in self.weights:
-                host = self._host.get(r.name)
-                if host is None or host.numel() != r.nbytes:
-                    host = torch.empty(r.nbytes, dtype=torch.uint8, pin_memory=pin)
-                    self._host[r.name] = host
-                host.copy_(r.bytes[:r.nbytes], non_blocking=pin)
+                off = 0
+                for host in self._host_pieces(r):  # one copy per piece, queued back to back
+                    host.copy_(r.bytes[off:off + host.numel()], non_blocking=pin)
+                    off += host.numel()
                 backup += r.nbytes
             if pin:
                 torch.cuda.synchronize(device)
@@ -95,10 +151,11 @@ class Sleeper:
         for r in self.weights + self.kv:
             r.poison()  # a mapping that went stale reads NaN, never old weights
             r.release()
-            released += r.size
+            released += r.chunk_bytes
         self.level = level
         return SleepReport(level, max(0, device_free(device) - before), released,
-                           sum(r.size for r in self.weights), sum(r.size for r in self.kv),
+                           sum(r.chunk_bytes for r in self.weights),
+                           sum(r.chunk_bytes for r in self.kv),
                            backup, time.perf_counter() - t0)
 
     def wake(self) -> WakeReport:
@@ -110,16 +167,19 @@ class Sleeper:
         mapped = restored = 0
         for r in self.weights + self.kv:
             r.remap()
-            mapped += r.size
+            mapped += r.chunk_bytes
         for r in self.weights:
-            host = self._host.get(r.name) if self.level == 1 else None
-            if host is not None:
-                r.bytes[:r.nbytes].copy_(host, non_blocking=host.is_pinned())
+            pieces = self._host.get(r.name) if self.level == 1 else None
+            if pieces is not None:
+                off = 0
+                for host in pieces:
+                    r.bytes[off:off + host.numel()].copy_(host, non_blocking=self.arena.cuda)
+                    off += host.numel()
                 restored += r.nbytes
             else:
                 r.poison()  # level 2: NaN until update_weights writes the weights
         for r in self.kv:
-            r.bytes.zero_()
+            r.fill(0)
         taken = max(0, before - device_free(device))  # synchronizes: the copies are done
         level, self.level = self.level, 0
         return WakeReport(level, mapped, taken, restored, time.perf_counter() - t0)

@@ -30,6 +30,7 @@ from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
+from replaylm.model.quant import Linear
 
 
 class RMSNorm(nn.Module):
@@ -54,16 +55,16 @@ class DecoderLayer(nn.Module):
         self.tp = tp
         self.dp = dp
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.moe = SparseMoe(cfg) if cfg.is_moe_layer(index) else None
         if self.moe is None:
-            self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-            self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+            self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
         # ``replaylm.lora``'s hook: ``lora(group, x, y)`` adds the adapters' delta to the
         # output ``y`` of a projection group (qkv, o, gate_up, down) of input rows ``x``.
@@ -87,12 +88,13 @@ class DecoderLayer(nn.Module):
         if self.lora is None:
             qkv, residual = k.norm_linear(hidden, residual, self.input_layernorm.weight,
                                           cfg.rms_norm_eps, self.qkv_proj.weight,
-                                          self.qkv_proj.bias)
+                                          self.qkv_proj.bias, scale=self.qkv_proj.weight_scale)
         else:  # the adapters read the normed rows: norm and projection run apart
             normed, residual = k.add_rms_norm(hidden, residual, self.input_layernorm.weight,
                                               cfg.rms_norm_eps)
-            qkv = self.lora("qkv", normed,
-                            k.linear(normed, self.qkv_proj.weight, self.qkv_proj.bias))
+            qkv = self.lora("qkv", normed, k.linear(normed, self.qkv_proj.weight,
+                                                    self.qkv_proj.bias,
+                                                    scale=self.qkv_proj.weight_scale))
         if defer_rope:
             return qkv, residual
         q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -112,7 +114,8 @@ class DecoderLayer(nn.Module):
         rank's MLP slice and each rank keeps the sum of its own ``T`` rows."""
         k = self.kernels or ref
         attn_rows = attn_out.flatten(1)
-        hidden = k.linear(attn_rows, self.o_proj.weight, self.o_proj.bias)
+        hidden = k.linear(attn_rows, self.o_proj.weight, self.o_proj.bias,
+                          scale=self.o_proj.weight_scale)
         if self.lora is not None:
             hidden = self.lora("o", attn_rows, hidden)
         if self.tp is not None:
@@ -125,15 +128,18 @@ class DecoderLayer(nn.Module):
         if self.dp is not None:
             normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
             rows = self.dp.gather_rows(normed)
-            gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                               scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
         if self.lora is None:
             gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                              self.gate_up_proj.weight, self.gate_up_proj.bias)
+                                              self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                              scale=self.gate_up_proj.weight_scale)
         else:
             normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
-            gate_up = self.lora("gate_up", normed, k.linear(normed, self.gate_up_proj.weight,
-                                                            self.gate_up_proj.bias))
+            gate_up = self.lora("gate_up", normed, k.linear(
+                normed, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                scale=self.gate_up_proj.weight_scale))
         out = self._down(gate_up, k)
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
@@ -143,10 +149,12 @@ class DecoderLayer(nn.Module):
         down = self.down_proj
         if self.lora is not None:
             act = k.silu_and_mul(gate_up)
-            return self.lora("down", act, k.linear(act, down.weight, down.bias))
+            return self.lora("down", act, k.linear(act, down.weight, down.bias,
+                                                   scale=down.weight_scale))
         if down.bias is None:
-            return k.silu_linear(gate_up, down.weight)
-        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias)
+            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale)
+        return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,
+                        scale=down.weight_scale)
 
 
 class CausalLM(nn.Module):
@@ -173,7 +181,7 @@ class CausalLM(nn.Module):
                                          _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, vocab_rows, bias=False
         )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -317,18 +325,21 @@ class CausalLM(nn.Module):
         every graph share one static logits buffer instead of each keeping its own. With the
         fused kernels the latter is the projections' tuned ``linear`` (at a few rows the skinny
         kernel streams a large vocabulary's head faster than cuBLAS)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.lm_head
+        weight = self.embed_tokens.weight if head is None else head.weight
+        scale = None if head is None else head.weight_scale  # an FP8 head's (model.quant)
         if self.tp is not None:
-            return self._gathered_logits(hidden, weight, out)
+            return self._gathered_logits(hidden, weight, out, scale)
         if out is None:
-            return torch.nn.functional.linear(hidden, weight).float()
-        return (self.kernels or ref).linear(hidden, weight, out=out)
+            return ref.linear(hidden, weight, scale=scale).float()
+        return (self.kernels or ref).linear(hidden, weight, out=out, scale=scale)
 
     def _gathered_logits(self, hidden: torch.Tensor, weight: torch.Tensor,
-                         out: torch.Tensor | None) -> torch.Tensor:
+                         out: torch.Tensor | None, scale: torch.Tensor | None = None,
+                         ) -> torch.Tensor:
         """Vocab-parallel LM head: this rank's logits slice, all-gathered into the full
         vocabulary (the padding rows past it dropped), so every rank holds every logit."""
-        local = (self.kernels or ref).linear(hidden, weight)
+        local = (self.kernels or ref).linear(hidden, weight, scale=scale)
         parts = self.tp.all_gather(local)  # [ranks, rows, vocab_rows]
         full = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, : self.cfg.vocab_size]
         if out is None:

@@ -24,19 +24,36 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from replaylm.env import cache_dir
+from replaylm.kernels.ref import FP8_DTYPE, quantize_fp8
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
-from replaylm.model.weight_map import PACKED, WeightMap, packed_module, pieces_of, shard_sizes
+from replaylm.model.quant import Fp8Scheme, is_scale, quantize_model, scale_name
+from replaylm.model.weight_map import (
+    PACKED,
+    WeightMap,
+    dtype_of,
+    is_fp8,
+    packed_module,
+    pieces_of,
+    shard_sizes,
+    weight_of,
+)
 
 log = logging.getLogger(__name__)
 
 def build_empty(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 tp: TensorParallel | None = None,
-                dp: DataParallelAttention | None = None) -> CausalLM:
+                dp: DataParallelAttention | None = None,
+                fp8: Fp8Scheme | None = None) -> CausalLM:
+    """The model with unset weights in ``dtype``; with ``fp8`` the weights it names in FP8
+    beside their scales (``model.quant``)."""
     with torch.device("meta"):
         model = CausalLM(cfg, tp, dp)
-    return model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device).to(dtype)
+    if fp8 is not None:
+        quantize_model(model, fp8)
+    return model
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -95,7 +112,10 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
     cfg = model.cfg
     weights = WeightMap(model, full_cfg)
     params = weights.params
-    pending = {n: pieces_of(cfg, n, p) for n, p in params.items()}
+    # An FP8 weight's scales load with it: quantized from a float weight, or as a tensor of
+    # their own beside an FP8 one (``fp8_pieces`` then waits for it).
+    pending = {n: pieces_of(cfg, n, p) for n, p in params.items() if not is_scale(n)}
+    fp8_pieces: set[tuple[str, int | None, int | None]] = set()
     for name in ("embed_tokens.weight", "lm_head.weight") if model.tp is not None else ():
         if name in params:
             params[name].data.zero_()  # the vocabulary padding rows stay zero
@@ -106,9 +126,18 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
         place.check(tensor)
         place.write(tensor)
         expert, shard = place.expert, place.shard
+        if is_scale(place.pname):
+            fp8_pieces.discard((weight_of(place.pname), expert, shard))
+            continue
+        if is_fp8(dtype_of(tensor)):
+            fp8_pieces.add((place.pname, expert, shard))
         pending[place.pname] = {(e, s) for e, s in pending[place.pname]
                                 if not ((expert is None or e == expert)
                                         and (shard is None or s == shard))}
+    if fp8_pieces:
+        names = sorted({n for n, _, _ in fp8_pieces})
+        raise ValueError(f"checkpoint has FP8 weights without their weight_scale: "
+                         f"{', '.join(names[:8])}")
     missing = sorted(n for n, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
@@ -117,13 +146,24 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, Any]],
 
 @torch.no_grad()
 def init_dummy(model: CausalLM, seed: int) -> None:
-    """Deterministic random weights made on the model's device (norms 1, biases 0)."""
+    """Deterministic random weights made on the model's device (norms 1, biases 0). An FP8
+    weight gets the model-dtype weight of the same seed, quantized (``ref.quantize_fp8``)."""
+    dtype = model.embed_tokens.weight.dtype
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, p in params.items():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
+        elif is_scale(name):
+            continue  # set with its weight
+        elif p.dtype == FP8_DTYPE:
+            full = torch.empty(p.shape, dtype=dtype, device=p.device)
+            full.uniform_(-0.0346, 0.0346, generator=gen)
+            q, scale = quantize_fp8(full)
+            p.copy_(q)
+            params[scale_name(name)].copy_(scale)
         else:
             # Uniform with std 0.02 keeps activations of random models finite at any depth.
             p.uniform_(-0.0346, 0.0346, generator=gen)
@@ -139,11 +179,13 @@ def load_model(
     tp: TensorParallel | None = None,
     full_cfg: ModelConfig | None = None,
     dp: DataParallelAttention | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> CausalLM:
     """The model with its weights; with ``tp`` or ``dp``, ``cfg`` is this rank's shard of
     ``full_cfg`` and only the rank's slices are read (dummy weights are then random per
-    shard)."""
-    model = build_empty(cfg, dtype, device, tp, dp)
+    shard). ``fp8``: which weights are held in FP8 (``model.quant``; each rank quantizes
+    its own slices)."""
+    model = build_empty(cfg, dtype, device, tp, dp, fp8)
     use_dummy = load_format == "dummy" or model_dir is None
     if use_dummy:
         init_dummy(model, seed)

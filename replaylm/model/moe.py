@@ -29,6 +29,7 @@ from torch import nn
 
 from replaylm.kernels import ref
 from replaylm.model.config import ModelConfig
+from replaylm.model.quant import Linear
 
 
 class SparseMoe(nn.Module):
@@ -40,11 +41,14 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)  # the router
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        # The experts' per-row scales when they are FP8 (``model.quant``).
+        self.register_parameter("experts_gate_up_scale", None)
+        self.register_parameter("experts_down_scale", None)
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         s = cfg.shared_expert_intermediate_size
         if s:
-            self.shared_gate_up = nn.Linear(h, 2 * s, bias=False)
-            self.shared_down = nn.Linear(s, h, bias=False)
+            self.shared_gate_up = Linear(h, 2 * s, bias=False)
+            self.shared_down = Linear(s, h, bias=False)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         # Set by CausalLM.use_side_stream: the model's one side stream and the row limit.
         self.side_stream: torch.cuda.Stream | None = None
@@ -77,11 +81,14 @@ class SparseMoe(nn.Module):
     def _routed(self, x: torch.Tensor, k) -> torch.Tensor:
         logits = k.linear(x, self.gate.weight)
         weights, ids = k.route_topk(logits, self.top_k, self.normalize)
-        return k.fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids)
+        return k.fused_moe(x, self.experts_gate_up, self.experts_down, weights, ids,
+                           self.experts_gate_up_scale, self.experts_down_scale)
 
     def _shared(self, x: torch.Tensor, k) -> torch.Tensor:
         """The shared expert's MLP, before its gate (``shared_combine`` applies the gate)."""
-        return k.silu_linear(k.linear(x, self.shared_gate_up.weight), self.shared_down.weight)
+        up, down = self.shared_gate_up, self.shared_down
+        return k.silu_linear(k.linear(x, up.weight, scale=up.weight_scale), down.weight,
+                             scale=down.weight_scale)
 
     def _side_stream(self, x: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream when this call forks: a shared expert, CUDA graph capture and at

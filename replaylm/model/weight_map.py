@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from replaylm.kernels.ref import FP8_DTYPE, quantize_fp8
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
+from replaylm.model.quant import is_scale, scale_name
 
 # checkpoint module name -> (our module, shard index); unlisted names map one to one.
 PACKED: dict[str, tuple[str, int]] = {
@@ -42,7 +44,17 @@ MOE_NAMES: dict[str, tuple[str, int | None]] = {
     # transformers' in-memory layout, already packed per layer
     "experts.gate_up_proj": ("moe.experts_gate_up", None),
     "experts.down_proj": ("moe.experts_down", None),
+    # the per-row scales of FP8 checkpoints (compressed-tensors ``*.weight_scale``)
+    "shared_expert.gate_proj.weight_scale": ("moe.shared_gate_up.weight_scale", 0),
+    "shared_expert.up_proj.weight_scale": ("moe.shared_gate_up.weight_scale", 1),
+    "shared_expert.down_proj.weight_scale": ("moe.shared_down.weight_scale", None),
+    "gate_proj.weight_scale": ("moe.experts_gate_up_scale", 0),
+    "up_proj.weight_scale": ("moe.experts_gate_up_scale", 1),
+    "down_proj.weight_scale": ("moe.experts_down_scale", None),
 }
+#: The MoE names that are one routed expert's (``experts.{e}.<name>``).
+PER_EXPERT = ("gate_proj.weight", "up_proj.weight", "down_proj.weight",
+              "gate_proj.weight_scale", "up_proj.weight_scale", "down_proj.weight_scale")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 PACKED_MODULES = ("qkv_proj", "gate_up_proj", "experts_gate_up", "shared_gate_up")
 
@@ -73,7 +85,7 @@ def target_of(name: str, cfg: ModelConfig) -> Target | None:
             rest, expert = rest[2:], int(rest[1])
         key = ".".join(rest)
         mapped = MOE_NAMES.get(key)
-        per_expert = key in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        per_expert = key in PER_EXPERT
         if mapped is None or per_expert != (expert is not None):
             return ".".join(parts), None, None  # no place in the model: the caller refuses
         return f"layers.{parts[1]}.{mapped[0]}", expert, mapped[1]
@@ -102,11 +114,17 @@ class Placement:
     shape: tuple[int, ...]
     part: list[Part] | str | None
     rank: int = 0
+    #: An FP8 parameter's: the view of its scales for ``dst``'s rows (``model.quant``).
+    scale: torch.Tensor | None = None
 
     def check(self, tensor: Any) -> None:
         """Raise ``ValueError`` naming the tensor unless its shape is ``shape`` and its dtype
-        floating point (a float of another dtype is cast on copy)."""
+        floating point (a float of another dtype is cast on copy; FP8 ``float8_e4m3fn``
+        only into an FP8 parameter). A scale (``*.weight_scale``) may also come as
+        ``[N, 1]`` (per channel) or one value (per tensor)."""
         shape = shape_of(tensor)
+        if is_scale(self.pname) and (shape == (*self.shape, 1) or _numel(shape) == 1):
+            shape = self.shape
         if shape != self.shape:
             where = "".join(f" {k} {v}" for k, v in (("expert", self.expert),
                                                       ("shard", self.shard)) if v is not None)
@@ -119,10 +137,35 @@ class Placement:
             raise ValueError(f"checkpoint tensor {self.name} has dtype {dtype}: weights must be "
                              f"floating point (another float dtype is cast to the model's "
                              f"{self.dst.dtype})")
+        if dtype is not None and is_fp8(dtype):
+            if not is_e4m3(dtype):
+                raise ValueError(f"checkpoint tensor {self.name} has dtype {dtype}: the FP8 "
+                                 "weights replaylm reads are float8_e4m3fn")
+            if self.dst.dtype != FP8_DTYPE:
+                raise ValueError(f"checkpoint tensor {self.name} is FP8 ({dtype}) but this "
+                                 f"model holds {self.pname} in {self.dst.dtype} (FP8 weights "
+                                 "go into the projections, with their weight_scale, only)")
 
     def write(self, tensor: Any) -> None:
-        """Copy this rank's part of ``tensor`` into ``dst`` (in place)."""
-        load_rank_part(self.dst, tensor, self.part, self.rank)
+        """Copy this rank's part of ``tensor`` into ``dst`` (in place). Into an FP8
+        parameter, a tensor of another dtype is quantized on the way (``quantize_fp8``: the
+        rank's part, so a row-parallel rank's scales are those of its own columns) and its
+        scales go to ``scale``; an FP8 tensor is copied as it is (its ``weight_scale``
+        comes as a tensor of its own). A per-tensor scale fills every row."""
+        if is_scale(self.pname) and _numel(shape_of(tensor)) == 1:
+            self.dst.copy_(read_part(tensor).reshape(()).expand(self.dst.shape))
+        elif is_scale(self.pname):
+            load_rank_part(self.dst, _rows(tensor, self.shape), self.part, self.rank)
+        elif self.scale is None or is_fp8(dtype_of(tensor)):
+            load_rank_part(self.dst, tensor, self.part, self.rank)
+        else:
+            # Zeros: rows the rank's part leaves unwritten (the LM head's vocabulary padding
+            # on the last rank) stay zero, as they do unquantized.
+            full = torch.zeros(self.dst.shape, dtype=torch.float32, device=self.dst.device)
+            load_rank_part(full, tensor, self.part, self.rank)
+            q, scale = quantize_fp8(full)
+            self.dst.copy_(q)
+            self.scale.copy_(scale)
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +190,9 @@ class WeightMap:
             with torch.device("meta"):
                 self.full_shapes = {n: tuple(p.shape)
                                     for n, p in CausalLM(self.full_cfg).named_parameters()}
+            # An FP8 weight's scales: one per row of the whole weight.
+            self.full_shapes |= {n: self.full_shapes[weight_of(n)][:-1]
+                                 for n in self.params if is_scale(n)}
 
     def place(self, name: str) -> Placement | None:
         """Where checkpoint tensor ``name`` goes; None for a tensor the model reads nowhere
@@ -164,24 +210,76 @@ class WeightMap:
             # Dropping it would run a different network than the checkpoint's.
             raise ValueError(f"checkpoint tensor {name} has no place in this model "
                              f"({cfg.architecture}): refusing to load without it")
-        dst = p.data
-        if expert is not None:
-            dst = dst[expert]
-        if shard is not None:
-            sizes = shard_sizes(cfg, packed_module(pname))
-            dst = dst.narrow(0, sum(sizes[:shard]), sizes[shard])
+        dst = self._view(p.data, pname, expert, shard)
+        scale = None
+        if p.dtype == FP8_DTYPE:
+            scale = self._view(self.params[scale_name(pname)].data, pname, expert, shard)
         shape = tuple(dst.shape)
         if self.full_shapes is not None:
             shape = self.full_shapes[pname][1:] if expert is not None else self.full_shapes[pname]
             if shard is not None:
                 shape = (shard_sizes(full_cfg, packed_module(pname))[shard], *shape[1:])
         part, rank = None, 0
+        weight = weight_of(pname) if is_scale(pname) else pname
         if tp is not None:
-            part = tp_slice(pname, shard, tp, full_cfg, cfg, stacked=expert is None)
+            part = tp_slice(weight, shard, tp, full_cfg, cfg, stacked=expert is None)
             rank = tp.rank
         elif dp is not None:
-            part, rank = dp_attention_slice(pname, dp, cfg), dp.rank
-        return Placement(name, pname, expert, shard, dst, shape, part, rank)
+            part, rank = dp_attention_slice(weight, dp, cfg), dp.rank
+        if is_scale(pname):
+            part = scale_part(part, len(shape) + 1)
+        return Placement(name, pname, expert, shard, dst, shape, part, rank, scale)
+
+    def _view(self, data: torch.Tensor, pname: str, expert: int | None, shard: int | None,
+              ) -> torch.Tensor:
+        """The view of parameter data ``data`` that one expert's shard fills (its rows)."""
+        if expert is not None:
+            data = data[expert]
+        if shard is not None:
+            sizes = shard_sizes(self.cfg, packed_module(pname))
+            data = data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        return data
+
+
+def weight_of(scale_pname: str) -> str:
+    """The FP8 weight a scale parameter belongs to (``model.quant.scale_name`` inverted)."""
+    return scale_pname.removesuffix("_scale")
+
+
+def scale_part(part: list[Part] | str | None, weight_dims: int) -> list[Part] | None:
+    """The part of a scale tensor (one entry per weight row) that goes with a weight's
+    ``part``: its pieces along the rows; a weight split along its columns (row-parallel)
+    keeps every row's scale."""
+    if not isinstance(part, list):
+        return None
+    rows = [p for p in part if p[0] != weight_dims - 1]
+    return rows or None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _rows(tensor: Any, shape: tuple[int, ...]) -> Any:
+    """A scale tensor as one entry per row (a ``[N, 1]`` checkpoint tensor as ``[N]``); a
+    safetensors slice is read first."""
+    if not isinstance(tensor, torch.Tensor):
+        tensor = read_part(tensor)
+    return tensor.reshape(shape) if tuple(tensor.shape) != shape else tensor
+
+
+def is_fp8(dtype: torch.dtype | str | None) -> bool:
+    """Whether a tensor's dtype (``dtype_of``) is an FP8 one."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize == 1 and dtype.is_floating_point
+    return isinstance(dtype, str) and dtype.startswith("F8")
+
+
+def is_e4m3(dtype: torch.dtype | str) -> bool:
+    return dtype == FP8_DTYPE or dtype == "F8_E4M3"
 
 
 def shape_of(tensor: Any) -> tuple[int, ...]:
@@ -295,4 +393,6 @@ def pieces_of(cfg: ModelConfig, pname: str, p: torch.Tensor) -> set[tuple[int | 
 
 
 def packed_module(pname: str) -> str | None:
-    return next((m for m in pname.split(".") if m in PACKED_MODULES), None)
+    """The packed module a parameter belongs to (an expert scale's too), or None."""
+    return next((m.removesuffix("_scale") for m in pname.split(".")
+                 if m.removesuffix("_scale") in PACKED_MODULES), None)

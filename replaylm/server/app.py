@@ -44,8 +44,10 @@ from replaylm.server.protocol import (
     native_n_supported,
     sampling_params,
     structured_params,
+    tool_plan,
 )
-from replaylm.server.responses import LogprobFormatter, Shapes
+from replaylm.server.responses import Echo, LogprobFormatter, Shapes
+from replaylm.server.tool_calls import PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +73,20 @@ def logprobs_supported() -> bool:
 def build_app(core: Engine, max_queue: int = 1024,
               served_model_name: str | None = None,
               max_request_bytes: int = 8 * 2**20, admin_api_key: str | None = None,
-              admin_drain_timeout: float = 30.0, lora_modules: dict[str, str] | None = None,
+              admin_drain_timeout: float = 30.0,
+              tool_call_parser: str | None = None, lora_modules: dict[str, str] | None = None,
               enable_lora_updates: bool = False) -> FastAPI:
     """An app serving ``core`` (one engine, or the driver of data- and tensor-parallel
     workers); its engine loop starts and stops with the app's lifespan. Request bodies above
     ``max_request_bytes`` are answered 413. ``admin_api_key``: serve the admin routes
-    (``server.admin``) to holders of this bearer token. ``lora_modules``: LoRA adapters
-    served by name (``server.lora``), loaded now; ``enable_lora_updates``: serve the
-    adapter load/unload routes without an admin key."""
+    (``server.admin``) to holders of this bearer token. ``tool_call_parser``: how chat
+    outputs are read for tool calls (``server.tool_calls.PARSERS``; None: only forced calls,
+    in the default format). ``lora_modules``: LoRA adapters served by name
+    (``server.lora``), loaded now; ``enable_lora_updates``: serve the adapter load/unload
+    routes without an admin key."""
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser={tool_call_parser!r} is invalid: must be one of "
+                         f"{', '.join(PARSERS)}")
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
     adapters = ServedAdapters()
@@ -185,14 +193,21 @@ def build_app(core: Engine, max_queue: int = 1024,
                        lora: LoRARequest | None = None) -> Any:
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
+        tools = tool_plan(body, tool_call_parser) if chat else None
+        source = ("tools" if tools is not None and tools.constraint is not None
+                  else structured_params(body)[1])
+        # Only sibling 0 of an engine-run group scores the prompt: echoed prompt logprobs
+        # for every choice need a request per choice.
+        per_choice_prompt = not chat and body.prompt_logprobs is not None
         try:  # every choice's params first: a bad value must not leave siblings running
-            if app.state.native_n or body.n == 1:
-                params = [sampling_params(body, 0, with_logprobs, n=body.n)]
+            if (app.state.native_n and not per_choice_prompt) or body.n == 1:
+                params = [sampling_params(body, 0, with_logprobs, n=body.n, tools=tools)]
             else:
-                params = [sampling_params(body, j, with_logprobs) for j in range(body.n)]
+                params = [sampling_params(body, j, with_logprobs, tools=tools)
+                          for j in range(body.n)]
             await workers.check(params)
         except ValueError as e:
-            raise from_value_error(e, param, structured_params(body)[1]) from e
+            raise from_value_error(e, param, source) from e
         k = body.n * (1 if prompts is None else len(prompts))
         if k > engine.max_queue:  # could never be admitted: the client must split it
             field = "n" if body.n > engine.max_queue else param
@@ -211,13 +226,19 @@ def build_app(core: Engine, max_queue: int = 1024,
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         shapes = Shapes(response_id, int(time.time()),
                         served if lora is None else lora.lora_name, chat)
-        gen = Generation(engine, shapes, k, body.include_usage, lp, param)
+        echo = not chat and body.echo
+        gen = Generation(engine, shapes, k, body.include_usage, lp, param,
+                         score_only=not chat and body.score_only, tools=tools)
         try:
             try:  # on the prompt workers: a long prompt never stalls the engine thread
                 if chat:
-                    ids = [await workers.chat_ids([m.as_template_dict() for m in body.messages])]
+                    ids = [await workers.chat_ids([m.as_template_dict() for m in body.messages],
+                                                  body.template_tools())]
                 else:
                     ids = list(await asyncio.gather(*(workers.prompt_ids(p) for p in prompts)))
+                if echo:
+                    gen.echo = [Echo(p if isinstance(p, str) else await workers.prompt_text(i), i)
+                                for p, i in zip(prompts, ids)]
             except ValueError as e:
                 raise from_value_error(e, param) from e
             await gen.start(ids, params, body.n, lora)

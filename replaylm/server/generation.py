@@ -1,7 +1,9 @@
 """One HTTP generation request: its engine requests, their deltas, and its answer.
 
 A request with ``k`` prompts and ``n`` choices becomes ``k * n`` engine requests (choice
-``i * n + j``), all feeding one asyncio queue. ``close()`` is idempotent and always runs (end
+``i * n + j``), all feeding one asyncio queue. A completion with ``echo`` opens each choice
+with its prompt (text, and with logprobs the prompt's, from the first delta); one that only
+scores its prompt (``max_tokens=0``) drops the token its engine request samples. ``close()`` is idempotent and always runs (end
 of stream, disconnect, error): it aborts whatever is still running, which frees its KV blocks
 at the engine loop's next command drain, and gives the admission slots back.
 """
@@ -21,22 +23,29 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.lora.request import LoRARequest
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.engine_loop import EngineFailure, EngineLoop, ShuttingDown
-from replaylm.server.protocol import APIError, from_value_error
+from replaylm.server.protocol import APIError, ToolPlan, from_value_error
 from replaylm.server.responses import (
     ChoiceState,
+    Echo,
     LogprobFormatter,
     Shapes,
     merge_logprobs,
     sse,
     usage,
 )
+from replaylm.server.tool_calls import ToolCallStream, parse
 
 
 class Generation:
     """The engine requests behind one HTTP request, and their answer (streamed or whole)."""
 
     def __init__(self, loop: EngineLoop, shapes: Shapes, n_choices: int, include_usage: bool,
-                 logprobs: LogprobFormatter | None, prompt_param: str) -> None:
+                 logprobs: LogprobFormatter | None, prompt_param: str,
+                 echo: list[Echo] | None = None, score_only: bool = False,
+                 tools: ToolPlan | None = None) -> None:
+        """``echo``: the prompts to echo, one per prompt (None: no echo); ``score_only``:
+        answer the echo alone, without the sampled token; ``tools``: a chat request's tool
+        handling (its parser turns the output into ``tool_calls``)."""
         self.loop = loop
         self.shapes = shapes
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -44,6 +53,10 @@ class Generation:
         self.include_usage = include_usage
         self.logprobs = logprobs
         self.prompt_param = prompt_param
+        self.echo = echo
+        self.score_only = score_only
+        self.tools = tools if tools is not None and tools.parser is not None else None
+        self._n = 1  # choices per prompt
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self._open: dict[str, int] = {}  # engine request id -> choices still running
@@ -59,6 +72,7 @@ class Generation:
         when the engine runs the ``n`` siblings itself (they share the prompt's KV blocks),
         or ``n`` entries with ``n == 1`` each when the server fans them out.
         """
+        self._n = n
         for i, prompt in enumerate(prompts):
             choice = i * n
             for j, sp in enumerate(params):
@@ -83,8 +97,10 @@ class Generation:
         self._open.clear()
         self.loop.release(len(self.choices))
 
-    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta, dict[str, Any] | None]]:
-        """Each delta with its choice index and formatted logprobs, until all choices end."""
+    async def deltas(self) -> AsyncIterator[tuple[int, str, RequestDelta,
+                                                  dict[str, Any] | None]]:
+        """Each delta with its choice index, its text (behind the echoed prompt on a choice's
+        first delta) and formatted logprobs, until all choices end."""
         while self._open:
             choice, d = await self.queue.get()
             if isinstance(d, ShuttingDown):
@@ -101,16 +117,26 @@ class Generation:
                 if self._open[d.request_id] == 0:
                     del self._open[d.request_id]
             state = self.choices[choice]
-            lp = None
+            text, ids, entries = d.new_text, d.new_token_ids, getattr(d, "logprobs", None)
+            if self.score_only:
+                text, ids, entries = "", [], None if entries is None else []
+            prefix, lp = "", None
+            if self.echo is not None and not state.started:
+                prompt = self.echo[choice // self._n]
+                prefix = prompt.text
+                if self.logprobs is not None:
+                    lp = self.logprobs.format_prompt(prompt.token_ids, d.prompt_logprobs)
+            state.started = True
             if self.logprobs is not None:
-                offset = len(state.text)
-                lp = self.logprobs.format(d.new_token_ids, getattr(d, "logprobs", None), offset)
-            state.text += d.new_text
-            state.token_ids.extend(d.new_token_ids)
-            self.completion_tokens += len(d.new_token_ids)
+                offset = len(state.text) + len(prefix)
+                lp = merge_logprobs(lp, self.logprobs.format(ids, entries, offset))
+            text = prefix + text
+            state.text += text
+            state.token_ids.extend(ids)
+            self.completion_tokens += len(ids)
             if d.finished:
                 state.finish_reason = d.finish_reason
-            yield choice, d, lp
+            yield choice, text, d, lp
 
     def usage(self) -> dict[str, int]:
         return usage(self.prompt_tokens, self.completion_tokens)
@@ -118,9 +144,16 @@ class Generation:
     async def collect(self, request: HTTPRequest) -> dict[str, Any] | None:
         """The whole answer; None if the client disconnected first (its requests are aborted)."""
         async def gather() -> dict[str, Any]:
-            async for choice, _, lp in self.deltas():
+            async for choice, _, _, lp in self.deltas():
                 state = self.choices[choice]
                 state.logprobs = merge_logprobs(state.logprobs, lp)
+            if self.tools is not None:
+                for state in self.choices:
+                    parsed = parse(self.tools.parser, state.text, set(self.tools.names))
+                    if parsed.calls:
+                        state.text = parsed.content or ""
+                        state.tool_calls = [c.as_dict() for c in parsed.calls]
+                        state.finish_reason = "tool_calls"
             return self.shapes.final(self.choices, self.usage())
 
         work = asyncio.ensure_future(gather())
@@ -138,10 +171,18 @@ class Generation:
             if self.shapes.chat:  # OpenAI opens each chat choice with the assistant role
                 for i in range(len(self.choices)):
                     yield sse(self.shapes.chunk(i, "", None, role=True))
-            async for choice, d, lp in self.deltas():
-                if d.new_text or d.finished or lp:
-                    text = d.new_text if (d.new_text or not self.shapes.chat) else None
-                    yield sse(self.shapes.chunk(choice, text, d.finish_reason, lp))
+            calls = ([ToolCallStream(self.tools.parser, set(self.tools.names))
+                      for _ in self.choices] if self.tools is not None else None)
+            async for choice, text, d, lp in self.deltas():
+                finish, new_calls = d.finish_reason, None
+                if calls is not None:
+                    text, new_calls = calls[choice].push(text, d.finished)
+                    if d.finished and calls[choice].calls:
+                        finish = "tool_calls"
+                if text or d.finished or lp or new_calls:
+                    shown = text if (text or not self.shapes.chat) else None
+                    yield sse(self.shapes.chunk(choice, shown, finish, lp,
+                                                tool_calls=new_calls))
             if self.include_usage:
                 yield sse(self.shapes.usage_chunk(self.usage()))
         except APIError as e:  # headers are out: OpenAI streams the error as an event

@@ -61,12 +61,24 @@ class PromptWorkers:
             return list(prompt)
         return await self._run(lambda: self.core.tokenize(prompt, tokenizer=self._tokenizer()))
 
-    async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template applied to ``messages`` and tokenized (the rendered template
-        carries its own special tokens, so none are added)."""
-        return await self._run(lambda: self._chat_ids(messages))
+    async def prompt_text(self, token_ids: list[int]) -> str:
+        """The text of a token-id prompt, special tokens included (what ``echo`` returns for
+        it); empty without a tokenizer."""
+        def decode() -> str:
+            tok = self._tokenizer()
+            return "" if tok is None else tok.decode(token_ids, skip_special_tokens=False)
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return await self._run(decode)
+
+    async def chat_ids(self, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template applied to ``messages`` (and ``tools``, which the template
+        renders) and tokenized (the rendered template carries its own special tokens, so none
+        are added)."""
+        return await self._run(lambda: self._chat_ids(messages, tools))
+
+    def _chat_ids(self, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self._tokenizer()
         if tok is None:
             raise APIError("this engine has no tokenizer, so it cannot apply a chat template",
@@ -75,7 +87,8 @@ class PromptWorkers:
             raise APIError("this model's tokenizer has no chat template: use /v1/completions",
                            param="messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                           tokenize=False)
         except Exception as e:  # jinja raises its own types for templates that refuse a message
             raise APIError(f"messages rejected by the chat template: {e}",
                            param="messages") from e

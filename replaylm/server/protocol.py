@@ -11,7 +11,9 @@ an :class:`APIError` that names the offending field in ``param``. Range checks l
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,6 +23,7 @@ from replaylm.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from replaylm.server.tool_calls import DEFAULT_PARSER, PARSERS, tool_grammar
 
 MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -136,13 +139,29 @@ class _SamplingBody(BaseModel):
 
 
 class CompletionRequest(_SamplingBody):
-    """``POST /v1/completions``; ``prompt`` may be text, token ids, or a list of either."""
+    """``POST /v1/completions``; ``prompt`` may be text, token ids, or a list of either.
+
+    ``echo`` prepends each prompt to its choices' text and, with ``logprobs``, the prompt
+    tokens' logprobs (the first ``null``) to the completion's; ``max_tokens=0`` with ``echo``
+    scores the prompt alone (``score_only``): what evaluation harnesses send for
+    loglikelihoods.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+
+    @property
+    def score_only(self) -> bool:
+        """Echo the prompt and generate nothing (``echo`` with ``max_tokens=0``)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """The prompt logprobs an echo with ``logprobs`` needs (their top-k), else None."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -155,8 +174,6 @@ class CompletionRequest(_SamplingBody):
         if not out or any(len(x) == 0 for x in out):
             raise APIError("prompt is empty: a request needs at least one prompt token",
                            param="prompt")
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of must equal n (ranking candidates is not supported)",
                            param="best_of")
@@ -174,21 +191,126 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, and a call's ``arguments``
+        as an object (templates print them with ``tojson``; OpenAI sends JSON text)."""
         c = self.content
         text = c if isinstance(c, str) else "".join(p.text for p in c or [])
-        return {"role": self.role, "content": text}
+        out: dict[str, Any] = {"role": self.role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError as e:
+                        raise APIError(f"messages: a tool call's function.arguments is not "
+                                       f"JSON: {e}", param="messages") from e
+                calls.append({**call, "function": fn})
+            out["tool_calls"] = calls
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingBody):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``; ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+    as OpenAI's (``server.tool_calls``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request uses its tools: ``parser`` reads calls from the output (None: the
+    output is plain content); ``constraint`` forces them (``required`` or a named function);
+    ``names``: the functions a call may name."""
+
+    parser: str | None
+    constraint: StructuredOutputsParams | None
+    names: frozenset[str]
+
+
+def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """The request's tool handling under the server's ``--tool-call-parser``; an
+    :class:`APIError` naming ``tool_choice`` or ``tools`` for a choice that cannot be served."""
+    tools = body.tools or []
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise APIError("tool_choice needs tools: give the functions the model may call",
+                       param="tool_choice")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError("tools: function names must be unique", param="tools")
+    if choice == "none":
+        return ToolPlan(None, None, frozenset())
+    if choice == "auto":
+        if parser is None:
+            raise APIError('tool_choice="auto" needs a server started with --tool-call-parser '
+                           f"({' or '.join(PARSERS)}); \"required\" or a named function "
+                           "work without one", param="tool_choice")
+        return ToolPlan(parser, None, frozenset(names))
+    if structured_params(body)[0] is not None:
+        raise APIError("tool_choice forcing a call cannot be combined with response_format or "
+                       "another structured-output constraint", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t.function.name == choice.function.name]
+        if not chosen:
+            raise APIError(f"tool_choice names function {choice.function.name!r}, which is not "
+                           f"in tools ({', '.join(names)})", param="tool_choice")
+        tools, parallel = chosen, False
+    else:
+        parallel = body.parallel_tool_calls
+    fmt = parser or DEFAULT_PARSER
+    tag = tool_grammar([t.model_dump(exclude_none=True) for t in tools], fmt, parallel)
+    return ToolPlan(fmt, StructuredOutputsParams(structural_tag=tag),
+                    frozenset(t.function.name for t in tools))
 
 
 def native_n_supported() -> bool:
@@ -205,7 +327,8 @@ def native_n_supported() -> bool:
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: int = 0,
-                    logprob_support: bool = True, n: int = 1) -> SamplingParams:
+                    logprob_support: bool = True, n: int = 1,
+                    tools: ToolPlan | None = None) -> SamplingParams:
     """The engine's params for ``body``: all ``n`` choices at once (``n > 1``, engine-run
     siblings), or choice ``sibling`` alone (``n == 1``, the server fans choices out).
 
@@ -227,8 +350,15 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
             max_tokens_field = "max_completion_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
-        kw["max_tokens"] = body.max_tokens
+        # Scoring a prompt samples one token (the engine runs a request to its first sample,
+        # which also delivers the prompt logprobs) that the answer leaves out, as vLLM does.
+        kw["max_tokens"] = 1 if body.score_only else body.max_tokens
         logprobs = body.logprobs
+        if body.prompt_logprobs is not None:
+            if not engine_supports("prompt_logprobs"):
+                raise APIError("echo with logprobs is not supported by this engine build",
+                               param="echo")
+            kw["prompt_logprobs"] = body.prompt_logprobs
     if body.stop_token_ids:
         kw["stop_token_ids"] = body.stop_token_ids
     if body.seed is not None:
@@ -249,6 +379,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
             raise APIError(f"{name} is not supported by this engine build yet", param=name)
         kw[name] = value
     so, source = structured_params(body)
+    if tools is not None and tools.constraint is not None:
+        so = tools.constraint
     if so is not None:
         kw["structured_outputs"] = so
     try:

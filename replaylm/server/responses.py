@@ -67,6 +67,30 @@ class LogprobFormatter:
             text_offset += len(text)
         return out
 
+    def format_prompt(self, token_ids: list[int],
+                      entries: list[Any] | None) -> dict[str, Any] | None:
+        """An echoed prompt's legacy logprobs object: every prompt token, the first with
+        ``null`` logprob and alternatives (nothing predicts it), text offsets from 0."""
+        if entries is None or self.chat:
+            return None
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        offset = 0
+        for t, e in zip(token_ids, entries):
+            text = self._text(t)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            _, lp, top = _entry(e)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(
+                {self._text(k): v for k, v in list(top.items())[: self.top_k]})
+        return out
+
     def _chat_item(self, token_id: int, e: Any) -> dict[str, Any]:
         tid, lp, top = _entry(e)
         text = self._text(token_id if tid is None else tid)
@@ -97,11 +121,14 @@ class Shapes:
     chat: bool
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None,
-              logprobs: dict[str, Any] | None = None, role: bool = False) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, role: bool = False,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
@@ -119,9 +146,8 @@ class Shapes:
 
     def final(self, choices: list[ChoiceState], u: dict[str, int]) -> dict[str, Any]:
         if self.chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                   for i, c in enumerate(choices)]
+            out = [{"index": i, "message": _message(c), "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
             obj = "chat.completion"
         else:
             out = [{"index": i, "text": c.text, "logprobs": c.logprobs,
@@ -131,11 +157,27 @@ class Shapes:
                 "model": self.model, "choices": out, "usage": u}
 
 
+def _message(c: ChoiceState) -> dict[str, Any]:
+    if c.tool_calls is None:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.text or None, "tool_calls": c.tool_calls}
+
+
+@dataclass
+class Echo:
+    """A completion prompt to echo: its text (as sent, or its ids decoded) and its ids."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class ChoiceState:
     """One choice's text so far (non-streaming answers, and logprob text offsets)."""
 
     text: str = ""
+    started: bool = False
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # parsed calls (chat with tools)

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from replaylm.config import EngineArgs
+from replaylm.server.tool_calls import PARSERS
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     srv.add_argument("--admin-drain-timeout", type=float, default=30.0,
                      help="seconds an update or sleep waits for in-flight requests before "
                      "aborting them (default: 30)")
+    srv.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                     help="how chat outputs are read for tool calls: hermes "
+                     "(<tool_call>{json}</tool_call>, Hermes and Qwen models) or llama3_json "
+                     "(Llama 3.x JSON calls); needed for tool_choice=auto; \"required\" and "
+                     "named-function calls are forced in its format (default: none, forced "
+                     "calls in the hermes format)")
     srv.add_argument("--log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug"],
                      help="server log level (default: info)")
@@ -104,7 +111,8 @@ def _serve(ns: argparse.Namespace, core: Any) -> int:
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
                     max_request_bytes=ns.max_request_bytes,
                     admin_api_key=ns.admin_api_key, admin_drain_timeout=ns.admin_drain_timeout,
-                    lora_modules=ns.lora_modules, enable_lora_updates=ns.enable_lora_updates)
+                    tool_call_parser=ns.tool_call_parser, lora_modules=ns.lora_modules,
+                    enable_lora_updates=ns.enable_lora_updates)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
                             ns.shutdown_timeout)
     reason = (f"server shutting down: the request was cancelled after --shutdown-timeout "

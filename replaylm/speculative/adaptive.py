@@ -34,7 +34,10 @@ would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposal
 drafter on their known tokens, never verified: once the tokens they guessed have been
 generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
 proposals; otherwise known at the first token guessed wrong) update the acceptance
-estimates for free, and when the chooser would then verify drafts, coasting ends. When the
+estimates for free, and when the chooser would then verify drafts at an expected rate
+``ENTER_MARGIN`` above plain decoding's, coasting ends; a verifying engine keeps drafting
+while drafts beat plain decoding at all (hysteresis: an estimate hovering near break-even
+does not switch modes every few steps, each switch paying for steps that measure). When the
 verify steps that follow measure costs that send it straight back (within ``SHORT_RUN``
 choices: a false start), the next stretch lasts at least ``SHORT_RUN`` steps before shadow
 evidence may end it, twice that after another false start and so on up to ``MAX_HOLD``
@@ -58,6 +61,7 @@ SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a fals
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
+ENTER_MARGIN = 0.05  # coasting ends where drafts are expected to beat plain by this share
 
 
 def eager_tiers(max_tokens: int) -> list[int]:
@@ -167,12 +171,14 @@ class AdaptiveBudget:
         stairs = dict(staircase(self.tiers, self.plain_costs))
         return stairs.get(tier) if tier is not None else None
 
-    def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int]) -> list[int]:
+    def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int],
+                margin: float = 0.0) -> list[int]:
         base_cost = self.plain_cost(base_tokens)
         if base_cost is None:  # plain decoding first: what speculation has to beat
             return [0] * len(reqs)
         return choose_budget(self.staircase(floor=base_cost), base_tokens,
-                             [self.estimate(r) for r in reqs], max_drafts, base_cost=base_cost)
+                             [self.estimate(r) for r in reqs], max_drafts, base_cost=base_cost,
+                             margin=margin)
 
     def choose(self, reqs: Sequence[Any], base_tokens: int,
                room: Sequence[int] | None = None) -> list[int]:
@@ -258,7 +264,7 @@ class AdaptiveBudget:
         if not scored or self._coasted < self.hold:
             return
         reqs = running()
-        if reqs and sum(self._choice(reqs, base_tokens(), [self.k] * len(reqs))):
+        if reqs and sum(self._choice(reqs, base_tokens(), [self.k] * len(reqs), ENTER_MARGIN)):
             self.coasting = False
             self.shadow.clear()
             self._verify_run = 0

@@ -18,7 +18,7 @@ import numpy as np
 
 def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
                   alphas: Sequence[float], max_drafts: Sequence[int],
-                  base_cost: float | None = None) -> list[int]:
+                  base_cost: float | None = None, margin: float = 0.0) -> list[int]:
     """Draft tokens per request maximising expected emitted tokens per second.
 
     ``base_tokens``: the step's tokens without drafts (one per decoding request plus prefill
@@ -26,7 +26,8 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     drafts it has (drafter, ``num_speculative_tokens``, length limits). ``tier_costs`` are
     the costs of steps that verify drafts; ``base_cost``, when known, is what a step
     without drafts costs (plain decoding, which overlaps the host's work with the GPU's),
-    else the staircase's cost of ``base_tokens``.
+    else the staircase's cost of ``base_tokens``. Drafts are chosen only where their
+    expected tokens per second beat plain decoding's by more than the share ``margin``.
     """
     n = len(alphas)
     tiers = np.array([t for t, _ in tier_costs])
@@ -48,6 +49,6 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     d = np.arange(1, order.size + 1)
     rates = (n + np.cumsum(gains[order])) / costs[np.searchsorted(tiers, base_tokens + d)]
     best = int(np.argmax(rates))  # the first of equal rates: the fewest drafts
-    if rates[best] <= n / base_cost * (1 + 1e-9):
+    if rates[best] <= n / base_cost * (1 + max(margin, 1e-9)):
         return [0] * n
     return np.bincount(owner[order[:best + 1]], minlength=n).tolist()

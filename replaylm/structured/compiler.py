@@ -48,15 +48,32 @@ def tokenizer_key(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) ->
 def spec_key(so: StructuredOutputsParams, any_whitespace: bool) -> tuple:
     kind = so.kind
     value = getattr(so, kind)
-    if kind == "json" and isinstance(value, dict):
+    if kind in ("json", "structural_tag") and isinstance(value, dict):
         value = json.dumps(value, sort_keys=True)
-    return (kind, value, any_whitespace if kind in ("json", "json_object") else None)
+    json_kinds = ("json", "json_object", "structural_tag")
+    return (kind, value, any_whitespace if kind in json_kinds else None)
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are also
     EBNF string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compact_structural_tag(tag: Any, xgr: Any) -> Any:
+    """``tag`` (a structural tag's JSON value) with every JSON-schema part replaced by the
+    grammar of its compact JSON (no free whitespace), the rule ``json`` specs follow by
+    default; xgrammar's own JSON-schema parts allow any whitespace."""
+    if isinstance(tag, list):
+        return [compact_structural_tag(t, xgr) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and tag.get("style", "json") == "json":
+        schema = tag.get("json_schema", True)
+        schema = {} if schema is True else schema
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        return {"type": "grammar", "grammar": ebnf}
+    return {k: compact_structural_tag(v, xgr) for k, v in tag.items()}
 
 
 class _Compilers:
@@ -133,6 +150,11 @@ def compile_structured(so: StructuredOutputsParams, tokenizer: Any, vocab_size: 
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}',
                                                 any_whitespace=any_whitespace)
+        if kind == "structural_tag":
+            tag = json.loads(value) if isinstance(value, str) else value
+            if not any_whitespace:
+                tag = compact_structural_tag(tag, _xgrammar())
+            return compiler.compile_structural_tag(json.dumps(tag))
         if kind == "regex":
             return compiler.compile_regex(value)
         if kind == "choice":

@@ -7,14 +7,20 @@ static ``token_bitmask`` buffer; the slot's ``bitmask_on`` flag says the row app
 captured step applies it to the row's logits before the greedy argmax (``graphs.whole``), and
 the sampler reads the masked logits, so constrained steps replay graphs like any other.
 
-**Overlap rule.** A mask for step N+1 depends on the token step N samples. With overlap
-scheduling step N+1 is built before step N's tokens reach the host, so a step that samples a
-constrained request is resolved before the next step is built (``in_step``: the core then does
-not keep it in flight). That is the simplest correct rule: the grammar state is always current
-when a mask is filled, and a matcher never has to guess the token in flight. Steps with only
-unconstrained requests overlap as usual (nothing here runs for them once no constrained
-request is left). A constrained request's prefill chunks that sample nothing do
-not need its grammar state, so they may overlap too.
+**Overlap rule.** A mask for step N+1 depends on the token step N samples, and with overlap
+scheduling step N+1 is scheduled while step N runs. So before the engine launches a step that
+samples a constrained request (``in_step``), it waits for the step in flight and advances the
+grammars by its tokens (``EngineCore.launch``, ``advance``); the rest of that step's results
+(outputs, stop checks, detokenizing) is applied after the launch as usual. Scheduling and
+building the next step still overlap the device; only the wait, the grammar advance and the
+mask fill lie between two steps. Steps that sample no constrained request overlap as usual
+(nothing here runs for them once no constrained request is left).
+
+**Mask fill.** The rows of a step's constrained requests are filled together by xgrammar's
+``BatchGrammarMatcher`` (its threads fill rows in parallel, outside the GIL) and reach the
+device in one copy of the slot range they span. A request whose grammar terminated at the
+step in flight finishes when that step is applied, so its row allows every token (whatever
+it samples is dropped).
 
 **Speculative decoding.** Constrained requests do not draft (``engine.speculation``): their
 steps sample one row each, so one mask row per slot suffices. A verify step's accepted tokens
@@ -55,6 +61,7 @@ class StructuredOutputs:
         self._num_on = 0
         self._owner: list[Any] = [None] * slots  # the constrained request a flag is on for
         self.requests: set[Any] = set()  # unfinished constrained requests
+        self._batcher: Any = None  # xgrammar.BatchGrammarMatcher, made at the first batch
 
     @property
     def busy(self) -> bool:
@@ -77,8 +84,8 @@ class StructuredOutputs:
                 self._set_flag(slot, None)
 
     def in_step(self, out: Any) -> bool:
-        """Whether step ``out`` samples a constrained request (then it must resolve before
-        the next step is built)."""
+        """Whether step ``out`` samples a constrained request (its masks then need the grammar
+        state after the step in flight)."""
         if not self.requests:
             return False
         return any(s.sample and s.request.grammar is not None for s in out.scheduled)
@@ -94,13 +101,31 @@ class StructuredOutputs:
                 self._set_flag(slot, None)
         for req in out.newly_slotted:
             self._set_flag(req.slot, req if req.grammar is not None else None)
+        matchers, slots = [], []
         for s in out.scheduled:
             req = s.request
             if not s.sample or req.grammar is None:
                 continue
-            slot = req.slot
-            req.grammar.fill_next_token_bitmask(self.host_mask, slot)
-            self.device_mask[slot].copy_(self.host_mask[slot], non_blocking=True)
+            if req.grammar.is_terminated():  # finishes when the step in flight is applied
+                self.host_mask[req.slot].fill_(-1)
+            else:
+                matchers.append(req.grammar)
+                slots.append(req.slot)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(self.host_mask, slots[0])
+        elif matchers:
+            self._batch().batch_fill_next_token_bitmask(matchers, self.host_mask, slots)
+        rows = [s.request.slot for s in out.scheduled if s.sample and s.request.grammar is not None]
+        if rows:
+            lo, hi = min(rows), max(rows) + 1
+            self.device_mask[lo:hi].copy_(self.host_mask[lo:hi], non_blocking=True)
+
+    def _batch(self) -> Any:
+        if self._batcher is None:
+            import xgrammar
+
+            self._batcher = xgrammar.BatchGrammarMatcher("auto")
+        return self._batcher
 
     def _set_flag(self, slot: int, owner: Any) -> None:
         """Flag ``slot`` on for constrained request ``owner``, or off (``None``)."""

@@ -10,7 +10,8 @@ from replaylm.cli.main import main
 from tests.bench.png import assert_png
 
 TINY = ["--model", "default", "--device", "cpu", "--new-tokens", "4", "--prompt-len", "6",
-        "--batched-prompt-len", "6", "--repeats", "1", "--graph-tiers", "1,8"]
+        "--batched-prompt-len", "6", "--repeats", "1", "--graph-tiers", "1,8",
+        "--batched-repeats", "2", "--min-seconds", "0"]
 
 
 def test_decode_writes_json_plots_timelines_and_peer_ratios(tmp_path, capsys):
@@ -29,6 +30,13 @@ def test_decode_writes_json_plots_timelines_and_peer_ratios(tmp_path, capsys):
     assert rows[("eager", 3)]["padding_share"] == 0.0
     for r in rows.values():
         assert 0 < r["step_ms_p50"] <= r["step_ms_p99"]
+    for mode in ("eager", "ragged"):  # one wave of 3 per repeat, 2 repeats, every step kept
+        row = rows[(mode, 3)]
+        assert row["requests"] == 3 and len(row["all_tok_s"]) == 2
+        assert row["tok_s_spread"]["min"] <= row["tok_s"] <= row["tok_s_spread"]["max"]
+        assert sum(s["decode_tokens"] for s in row["steps"]) >= 3 * 3
+        assert row["tail"]["steps"] >= 1
+    assert "3 requests per repeat, 2 repeats" in text
     peers = record["peers"]
     assert [(p["mode"], p["batch"]) for p in peers] == [("generate", 1), ("generate", 3)]
     assert all(p["tok_s"] > 0 and p["generated_tokens"] == 4 * p["batch"] and not p["error"]

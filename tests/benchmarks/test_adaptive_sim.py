@@ -1,6 +1,6 @@
 """The adaptive draft budget's policy on step costs measured on the H200 (simulated:
 ``benchmarks/adaptive_sim.py``): within 5% of the best fixed K where speculation pays,
-never more than 2% below plain decoding where it does not."""
+never more than 2% below plain decoding where it does not, at acceptance 0 to 0.95."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.adaptive_sim import table
 
-PS = [0.0, 0.3, 0.6, 0.8, 0.95]
+PS = [0.0, 0.2, 0.4, 0.6, 0.8, 0.95]
 
 
 def _by_p(name: str, seeds: tuple[int, ...]) -> dict[float, list[dict]]:

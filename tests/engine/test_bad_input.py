@@ -115,6 +115,8 @@ def test_invalid_engine_args_name_the_field():
         LLM("default", cuda_graph_mode="fastest")
     with pytest.raises(ValueError, match="dtype"):
         LLM("default", dtype="int8")
+    with pytest.raises(ValueError, match=r"max_mixed_prefill_tokens=-1 .*>= 0"):
+        LLM("default", max_mixed_prefill_tokens=-1)
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,34 @@ def test_chunked_prefill_splits_and_mixes_with_decode() -> None:
     assert b.output_token_ids == reference_output(b, 512)
 
 
+def test_mixed_prefill_cap_spreads_prompts_over_decode_steps() -> None:
+    """Beside decodes a step carries at most ``max_mixed_prefill_tokens`` prompt tokens; with
+    nothing to decode a step fills the budget; a decode is never held back by the cap."""
+    sched = make_sched(max_num_batched_tokens=64, max_mixed_prefill_tokens=8)
+    first = [make_req(f"a{i}", 20, max_tokens=6, seed=i) for i in range(3)]
+    later = [make_req(f"b{i}", 10, max_tokens=2, seed=10 + i) for i in range(2)]
+    outs = drive(sched, [(0, r) for r in first] + [(1, r) for r in later])
+    assert outs[0].num_prefill_tokens == 60 and outs[0].num_batched_tokens == 60  # no decodes
+    for out in outs[1:]:
+        decodes = out.num_batched_tokens - out.num_prefill_tokens
+        if decodes:
+            assert out.num_prefill_tokens <= 8
+    steps = [[(s.request.request_id, s.num_new_tokens) for s in o.scheduled] for o in outs]
+    assert steps[1] == [("a0", 1), ("a1", 1), ("a2", 1), ("b0", 8)]
+    assert steps[2] == [("a0", 1), ("a1", 1), ("a2", 1), ("b0", 2), ("b1", 6)]
+    for r in first + later:
+        assert r.output_token_ids == reference_output(r, 512)
+
+
+def test_without_a_mixed_prefill_cap_prompts_fill_the_budget() -> None:
+    sched = make_sched(max_num_batched_tokens=64)
+    a, b = make_req("a", 20, max_tokens=4), make_req("b", 50, max_tokens=2, seed=1)
+    outs = drive(sched, [(0, a), (1, b)])
+    assert [(s.request.request_id, s.num_new_tokens) for s in outs[1].scheduled] == [
+        ("a", 1), ("b", 50)]
+    assert outs[1].num_prefill_tokens == 50
+
+
 def test_budget_respected_with_long_prompts() -> None:
     sched = make_sched(max_num_batched_tokens=10)
     reqs = [make_req(f"r{i}", 23 + 5 * i, max_tokens=3, seed=i) for i in range(5)]

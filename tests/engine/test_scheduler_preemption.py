@@ -109,6 +109,7 @@ def test_property_random_traffic(data: st.DataObject) -> None:
         return [(t, make_req(f"r{i}", p, m, seed=i, eos=e)) for i, (t, p, m, e) in enumerate(specs)]
 
     overlap = data.draw(st.booleans(), label="overlap")
+    mixed_cap = data.draw(st.integers(0, 24), label="max_mixed_prefill_tokens")
     tight = build()
     drive(
         Scheduler(
@@ -117,6 +118,7 @@ def test_property_random_traffic(data: st.DataObject) -> None:
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            max_mixed_prefill_tokens=mixed_cap,
         ),
         tight,
         overlap=overlap,

@@ -165,3 +165,61 @@ def test_data_parallel_ranks_sleep_and_wake_through_the_driver(ckpts):
             llm.wake_up()
         assert _tokens(llm) == before
         assert llm.audit_graphs().graphs == 0  # eager: nothing captured
+
+
+def test_host_copy_is_allocated_ahead_in_pieces_and_reused(ckpts, monkeypatch):
+    from replaylm.memory import sleep as sleep_module
+
+    monkeypatch.setattr(sleep_module, "HOST_PIECE_BYTES", 4096)
+    a, _, _ = ckpts
+    llm = LLM(str(a), **_kw("eager"))
+    sleeper = llm.engine.runner.sleeper
+    sleeper.wait_host()  # the start-up thread's work
+    region = sleeper.weights[0]
+    pieces = sleeper._host[region.name]
+    assert len(pieces) == -(-region.nbytes // 4096) > 1
+    assert sum(p.numel() for p in pieces) == region.nbytes
+    before = _tokens(llm)
+    for _ in range(2):
+        assert llm.sleep(1).backup_bytes == region.nbytes
+        assert llm.wake_up().restored_bytes == region.nbytes
+        assert all(x is y for x, y in zip(sleeper._host[region.name], pieces, strict=True))
+        assert _tokens(llm) == before
+    later = LLM(str(a), **_kw("eager", sleep_pin_ahead=False)).engine.runner.sleeper
+    assert later._pinning is None and not later._host  # pinned at the first sleep(1)
+
+
+def test_a_draft_model_sleeps_and_wakes_with_the_target(ckpts):
+    a, b, tokens_b = ckpts
+    spec = {"method": "draft_model", "model": str(a), "num_speculative_tokens": 3}
+    llm = LLM(str(a), speculative_config=spec, **_kw("eager", graph_check=1))
+    core = llm.engine
+    target, draft = core.runner, core.drafter.runner
+    before = _tokens(llm)
+    accepted = llm.spec_stats()["acceptance_rate"]
+    assert accepted > 0.5  # the draft is the target: its drafts are accepted
+    draft_ptrs = {n: p.data_ptr() for n, p in draft.model.named_parameters()}
+    draft_kv = draft.kv_caches[0][0].data_ptr()
+
+    report = llm.sleep(level=1)
+    sizes = [r.arena.regions[n].chunk_bytes for r in (target, draft) for n in ("weights", "kv")]
+    assert report.released_bytes == sum(sizes)
+    assert report.weight_bytes == sizes[0] + sizes[2] and report.kv_bytes == sizes[1] + sizes[3]
+    assert draft.sleeper.asleep
+    assert all(torch.isnan(p).all() for p in draft.model.parameters())
+    assert torch.isnan(draft.kv_caches[0][0]).all()
+    wake = llm.wake_up()
+    assert not draft.sleeper.asleep and wake.restored_bytes == report.backup_bytes
+    assert wake.audit is not None  # graph_check: both models' graphs audited (none: eager)
+    assert {n: p.data_ptr() for n, p in draft.model.named_parameters()} == draft_ptrs
+    assert draft.kv_caches[0][0].data_ptr() == draft_kv
+    assert _tokens(llm) == before
+
+    llm.sleep(level=2)  # then both models take B's weights
+    llm.wake_up()
+    assert all(torch.isnan(p).all() for p in draft.model.parameters())
+    llm.update_weights(str(b))
+    llm.update_weights(str(b), target="draft")
+    assert _tokens(llm) == tokens_b
+    assert llm.spec_stats()["acceptance_rate"] > 0.5  # B's drafts for B's target
+    core.scheduler.check_integrity()

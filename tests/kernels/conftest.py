@@ -28,7 +28,8 @@ if "triton" not in sys.modules and (os.environ.get(CHILD_FLAG) or not torch.cuda
 
 
 # Dependencies first: a module that imports another's kernels by name is reloaded after it.
-_MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.rope", "replaylm.kernels.attention_kernel",
+_MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.rope",
+            "replaylm.kernels.attention_kernel",
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny", "replaylm.kernels.tuner",
             "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.ops",

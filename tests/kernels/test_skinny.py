@@ -106,7 +106,7 @@ def test_tuner_prefers_fewer_warps_on_near_ties(kernels, monkeypatch):
     """``_tune`` keeps the fastest tile unless a tile with fewer warps is within ``TIE`` of
     it, and the unfused path only when it is faster than that tile by more than ``TIE``."""
     tuner = kernels.tuner
-    monkeypatch.setattr(kernels.skinny, "candidate_configs", lambda m, k: [
+    monkeypatch.setattr(kernels.skinny, "candidate_configs", lambda m, k, weight_dtype=None: [
         (1, 8, 1024, 8), (1, 4, 1024, 4), (1, 4, 512, 4), (1, 2, 1024, 2)])
 
     def run(times, baseline):

@@ -217,6 +217,44 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
     assert r.spec_acceptance > est
 
 
+def test_margin_keeps_plain_decoding_where_drafts_barely_pay():
+    # One request, 0.5 acceptance, 1 draft: 1.5 expected tokens; plain costs 1.0 per token.
+    costs = [(1, 1.0), (2, 1.45)]
+    assert choose_budget(costs, 1, [0.5], [1], base_cost=1.0) == [1]  # 1.034x plain
+    assert choose_budget(costs, 1, [0.5], [1], base_cost=1.0, margin=0.05) == [0]
+    assert choose_budget([(1, 1.0), (2, 1.4)], 1, [0.5], [1], base_cost=1.0,
+                         margin=0.05) == [1]  # 1.071x plain
+
+
+def test_coasting_ends_only_past_the_entry_margin_and_verifying_stays_to_break_even():
+    """Hysteresis: shadow evidence ends coasting only where drafts are expected to beat plain
+    decoding by ``ENTER_MARGIN``; once verifying, drafts are kept while they beat it at all."""
+    from replaylm.speculative import adaptive
+    from replaylm.speculative.adaptive import AdaptiveBudget
+
+    class Drafter:
+        def propose(self, reqs, room):
+            return [[1] * k for k in room]
+
+    b = AdaptiveBudget([1, 2], 1)
+    b.observe_step(1, 1.0, verified=False)
+    b.observe_step(2, 1.0 * 1.5 / (1 + adaptive.ENTER_MARGIN / 2), verified=True)
+    r = _Req([], output=[9])
+    b.coasting = True
+
+    def shadow(right: bool) -> None:
+        for _ in range(adaptive.SHADOW_EVERY):
+            b.shadow_round(Drafter(), lambda: ([r], [1]))
+        r.output_token_ids.append(1 if right else 0)
+        r.spec_counts = (50.0, 100.0)  # long evidence: the estimate stays near 0.5
+        b.shadow_check(lambda req, drafts, actual: int(right), lambda: [r], lambda: 1)
+
+    shadow(right=True)  # at ~0.505 a draft gains about half the margin: coasting goes on
+    assert b.coasting and r.spec_acceptance == pytest.approx(48.5 / 96)
+    r.draft_tokens = [1]
+    assert b.choose([r], 1) == [1] and not b.coasting  # a verifying engine keeps it
+
+
 def test_false_starts_hold_coasting_longer():
     """Shadow evidence ended a stretch but the measured verify costs sent the chooser back
     at once: the next stretch must last SHORT_RUN, then twice that, before evidence counts;

@@ -172,25 +172,47 @@ def test_speculative_engine_drafts_for_free_requests_only():
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_constrained_steps_resolve_at_once_free_steps_overlap(eager):
-    """The overlap rule: a step that samples a constrained request is resolved before the next
-    is built; with only free requests the step stays in flight as before."""
+def test_constrained_steps_overlap_with_current_grammar(eager, monkeypatch):
+    """The overlap rule: steps that sample a constrained request stay in flight like any
+    other, and every mask is filled after the grammar took every token sampled before it
+    (those of the step in flight included), so the outputs still validate."""
     core = eager.engine
+    structured = core.structured
+    accepted: dict[str, int] = {}
+    advance, prepare = structured.advance, structured.prepare
+
+    def counting_advance(out, sampled):
+        for s in out.scheduled:
+            if s.sample and s.request.grammar is not None and not s.request.is_finished:
+                accepted[s.request.request_id] = accepted.get(s.request.request_id, 0) + 1
+        return advance(out, sampled)
+
+    def checking_prepare(out):
+        for s in out.scheduled:
+            req = s.request
+            if s.sample and req.grammar is not None and not req.grammar.is_terminated():
+                assert accepted.get(req.request_id, 0) == req.num_output_tokens + req.num_pending
+        prepare(out)
+
+    monkeypatch.setattr(structured, "advance", counting_advance)
+    monkeypatch.setattr(structured, "prepare", checking_prepare)
     core.add_request("free", "hello", SamplingParams(temperature=0.0, max_tokens=4,
                                                      ignore_eos=True))
     core.step()
     core.step()
     assert core.inflight is not None  # overlapped
     core.add_request("so", "hello", SamplingParams(max_tokens=8, structured_outputs=SO(
-        choice=["abc", "abd"])))
-    kept = []
+        regex="[a-z]{6}")))
+    kept, text, tokens = [], "", []
     while core.has_unfinished():
-        core.step()
+        for delta in core.step():
+            if delta.request_id == "so":
+                text += delta.new_text
+                tokens += delta.new_token_ids
         kept.append(core.inflight is not None)
-        so = core.requests.get("so")
-        if so and so[0].num_output_tokens:
-            assert so[0].num_pending == 0  # its tokens are on the host when the next step builds
-    assert not any(kept[1:-1]), kept
+    assert any(kept), kept  # constrained steps were kept in flight
+    assert re.fullmatch("[a-z]{6}", text), text
+    assert accepted["so"] == len(tokens)  # every token it emitted, its stop token included
     assert core.block_manager.num_used_blocks == 0
     assert not core.structured.requests and not core.structured.busy
 

@@ -1,0 +1,217 @@
+"""FP8-weight benchmark: per-GEMV bandwidth of the decode projections, the many-row paths, and
+the numerics against bf16.
+
+``gemv``: each projection of the named shapes at ``--m`` rows, bf16 weights (cuBLAS, the
+best skinny tile) against FP8 weights (the best FP8 skinny tile, W8A8 ``torch._scaled_mm``,
+dequantize + cuBLAS), as µs and achieved bandwidth over the bytes each reads (FP8: one per
+weight plus four per row for the scales), and the share of the bound: bytes ÷ 4.23 TB/s,
+the H200's measured copy bandwidth. Every kernel is captured 50 times in one CUDA graph and
+replayed, over weight copies larger than L2 together (``tuner.graph_time_us``), as the
+tuner times them.
+
+``rows``: bf16 cuBLAS, W8A8 and dequantize + cuBLAS at 16-512 rows (what the rule of
+``kernels.fp8_linear`` picks between above the skinny kernel).
+
+``numerics``: per projection, the relative error of the FP8 output against the bf16 one
+(random weights as ``load_format="dummy"`` draws them, ``randn`` inputs), at 1 row (the
+skinny kernel) and 64 rows (W8A8); and the cosine similarity of a whole model's logits
+(dummy weights of the named shape, bf16 against ``quantization="fp8"``, a 32-token prompt's
+positions, the torch reference ops).
+
+    PYTHONPATH=. python benchmarks/fp8.py gemv --shapes llama3-8b --m 1 [--json OUT]
+    PYTHONPATH=. python benchmarks/fp8.py rows --shapes llama3.2-1b
+    PYTHONPATH=. python benchmarks/fp8.py numerics --shapes llama3.2-1b,llama3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata
+from replaylm.bench.floor import COPY_BANDWIDTH_BYTES_S
+from replaylm.kernels import fp8_linear, ops, ref, skinny
+from replaylm.kernels.tuner import candidates, graph_time_us, weight_rotation
+from replaylm.model.config import ModelConfig
+from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
+
+REPS = 50
+BF16 = torch.bfloat16
+
+
+def config(shape: str) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config_from_dict(NAMED_SHAPES[shape]), shape)
+
+
+def projections(shape: str) -> list[tuple[str, int, int]]:
+    cfg = config(shape)
+    h = cfg.hidden_size
+    return [("qkv", cfg.q_size + 2 * cfg.kv_size, h), ("o", h, cfg.q_size),
+            ("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),
+            ("lm_head", cfg.vocab_size, h)]
+
+
+def time_us(fn, weights) -> float:
+    return graph_time_us(fn, weights, reps=REPS, trials=5)
+
+
+def _weights(n: int, k: int, dev: str = "cuda") -> torch.Tensor:
+    return torch.empty(n, k, device=dev, dtype=BF16).uniform_(-0.0346, 0.0346)
+
+
+def _best_skinny(x: torch.Tensor, weights: list, scale: torch.Tensor | None,
+                 ) -> tuple[tuple, float]:
+    dtype = weights[0].dtype if scale is not None else None
+    times = {cfg: time_us(lambda w, cfg=cfg: skinny.skinny_linear(x, w, config=cfg,
+                                                                  scale=scale), weights)
+             for cfg in candidates(x.shape[0], x.shape[1], dtype)}
+    best = min(times, key=times.get)
+    return best, times[best]
+
+
+def gemv(ns: argparse.Namespace) -> list[dict]:
+    rows = []
+    for shape in ns.shapes.split(","):
+        for (name, n, k) in projections(shape):
+            w = _weights(n, k)
+            q, scale = ref.quantize_fp8(w)
+            bf16_bytes, fp8_bytes = w.numel() * 2, q.numel() + scale.numel() * 4
+            ws, qs = weight_rotation(w), weight_rotation(q)
+            for m in (int(v) for v in ns.m.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=BF16)
+                row = {"shape": shape, "proj": name, "m": m, "n": n, "k": k}
+
+                def put(label, us, nbytes, cfg=None, row=row):
+                    row[f"{label}_us"] = round(us, 2)
+                    row[f"{label}_tbs"] = round(nbytes / us / 1e6, 3)
+                    row[f"{label}_bound_share"] = round(
+                        nbytes / COPY_BANDWIDTH_BYTES_S * 1e6 / us, 3)
+                    if cfg is not None:
+                        row[f"{label}_config"] = list(cfg)
+
+                put("bf16_cublas", time_us(lambda w, x=x: torch.nn.functional.linear(x, w),
+                                           ws), bf16_bytes)
+                cfg, us = _best_skinny(x, ws, None)
+                put("bf16_skinny", us, bf16_bytes, cfg)
+                cfg, us = _best_skinny(x, qs, scale)
+                put("fp8_skinny", us, fp8_bytes, cfg)
+                if fp8_linear.w8a8_applies(x, q):
+                    put("fp8_w8a8", time_us(lambda w, x=x, s=scale: fp8_linear.w8a8_linear(
+                        x, w, s), qs), fp8_bytes)
+                put("fp8_dequant", time_us(lambda w, x=x, s=scale: ref.linear(x, w, scale=s), qs),
+                    fp8_bytes)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del ws, qs
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def many_rows(ns: argparse.Namespace) -> list[dict]:
+    rows = []
+    for shape in ns.shapes.split(","):
+        for (name, n, k) in projections(shape)[:4]:
+            w = _weights(n, k)
+            q, scale = ref.quantize_fp8(w)
+            ws, qs = weight_rotation(w), weight_rotation(q)
+            for m in (16, 32, 64, 128, 256, 512):
+                x = torch.randn(m, k, device="cuda", dtype=BF16)
+                row = {"shape": shape, "proj": name, "m": m, "n": n, "k": k,
+                       "bf16_us": round(time_us(
+                           lambda w, x=x: torch.nn.functional.linear(x, w), ws), 2),
+                       "w8a8_us": round(time_us(
+                           lambda w, x=x, s=scale: fp8_linear.w8a8_linear(x, w, s), qs), 2),
+                       "dequant_us": round(time_us(
+                           lambda w, x=x, s=scale: ref.linear(x, w, scale=s), qs), 2)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del ws, qs
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _prefill_meta(n: int, dev: str) -> AttentionMetadata:
+    """One request's ``n``-token prefill over KV blocks 1 and 2."""
+    table = torch.tensor([[1, 2]], dtype=torch.int32, device=dev)
+    pos = torch.arange(n, device=dev)
+    return AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        kv_lens=torch.tensor([n], dtype=torch.int32, device=dev), block_table=table,
+        slot_mapping=table[0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE,
+        num_tokens=n, num_reqs=1, max_q_len=n, max_kv_len=n, cu_seqlens_q_cpu=[0, n],
+        kv_lens_cpu=[n])
+
+
+def numerics(ns: argparse.Namespace) -> list[dict]:
+    from replaylm.attention.torch_ref import TorchAttentionBackend
+    from replaylm.model.loader import load_model
+    from replaylm.model.quant import Fp8Scheme
+
+    dev = ns.device
+    rows = []
+    for shape in ns.shapes.split(","):
+        for (name, n, k) in projections(shape):
+            w = _weights(n, k, dev)
+            q, scale = ref.quantize_fp8(w)
+            row = {"shape": shape, "proj": name}
+            for m in (1, 64):
+                x = torch.randn(m, k, device=dev, dtype=BF16)
+                want = torch.nn.functional.linear(x, w)
+                got = ops.linear(x, q, scale=scale)  # the engine's path at m rows
+                row[f"rel_err_m{m}"] = round(_rel(got, want), 4)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del w, q
+        cfg = config(shape)
+        ids = torch.randint(3, cfg.vocab_size, (32,), device=dev,
+                            generator=torch.Generator(device=dev).manual_seed(0))
+        logits = []
+        for fp8 in (None, Fp8Scheme()):
+            model = load_model(cfg, None, "dummy", BF16, torch.device(dev), 0, fp8=fp8)
+            pool = torch.zeros(cfg.num_layers, 2, 4, 16, cfg.num_kv_heads, cfg.head_dim,
+                               device=dev, dtype=BF16)
+            model.bind(TorchAttentionBackend(), [(pool[i, 0], pool[i, 1])
+                                                 for i in range(cfg.num_layers)], 64)
+            with torch.inference_mode():
+                hidden = model(ids, torch.arange(32, device=dev), _prefill_meta(32, dev))
+                logits.append(model.compute_logits(hidden))
+            del model, pool
+            gc.collect()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+        cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+        row = {"shape": shape, "logits_cosine_min": round(cos.min().item(), 5),
+               "logits_cosine_mean": round(cos.mean().item(), 5),
+               "argmax_agree": round((logits[0].argmax(-1) == logits[1].argmax(-1))
+                                     .float().mean().item(), 3)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["gemv", "rows", "numerics"])
+    ap.add_argument("--shapes", default="llama3-8b")
+    ap.add_argument("--m", default="1", help="gemv: row counts (comma-separated)")
+    ap.add_argument("--device", default="cuda", help="numerics: where to run (cpu works)")
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args(argv)
+    rows = {"gemv": gemv, "rows": many_rows, "numerics": numerics}[ns.what](ns)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""FP8 weights on the GPU: the skinny kernel's FP8 variant against its reference at every
+shipped projection shape (Llama 3.2 1B and Llama 3 8B), the tuned dispatch, W8A8 and the
+dequantize path above the skinny rows, the MoE kernels with FP8 experts, and the FP8 engine
+in graph modes with padding poisoned and every replay checked bit for bit.
+
+Run with ``pytest -m gpu tests/gpu/test_fp8_gpu.py``; skipped without CUDA/Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if isinstance(triton.language.sum, InterpretedFunction):
+    pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
+
+from replaylm import LLM, SamplingParams  # noqa: E402
+from replaylm.kernels import fp8_linear, moe, moe_decode, ops, ref, skinny, tuner  # noqa: E402
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+#: (n, k) of the projections in the shipped tuning tables: Llama 3.2 1B's qkv, o, gate_up,
+#: down and LM head, then Llama 3 8B's.
+SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)]
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.empty(n, k, device=DEV, dtype=BF16).uniform_(-0.0346, 0.0346, generator=g)
+    return ref.quantize_fp8(w)
+
+
+def _want(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, b=None) -> torch.Tensor:
+    """The reference in fp32 (dequantized weight, fp32 product), rounded to bf16."""
+    return ref.linear(x.float(), w, None if b is None else b.float(), scale=scale).to(x.dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k", SHAPES_1B + SHAPES_8B)
+def test_skinny_fp8_linear_at_shipped_shapes(m, n, k):
+    """The FP8 skinny kernel (untuned tile) against the reference, repeatable to the bit."""
+    w, scale = _fp8_weight(n, k, n + k)
+    x = torch.randn(m, k, device=DEV, dtype=BF16, generator=torch.Generator(device=DEV)
+                    .manual_seed(m))
+    want = _want(x, w, scale)
+    got = skinny.skinny_linear(x, w, scale=scale)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got, skinny.skinny_linear(x, w, scale=scale))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 2048), (1, 4096, 4096), (4, 6144, 4096)])
+def test_tuned_fp8_linear(m, n, k):
+    """Every FP8 tile candidate against the reference; the tuned dispatch records an
+    ``-fp8`` decision and matches too, bit-repeatably."""
+    w, scale = _fp8_weight(n, k, n + k)
+    x = torch.randn(m, k, device=DEV, dtype=BF16, generator=torch.Generator(device=DEV)
+                    .manual_seed(m))
+    want = _want(x, w, scale)
+    for cfg in tuner.candidates(m, k, ref.FP8_DTYPE):
+        got = skinny.skinny_linear(x, w, config=cfg, scale=scale)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"tile {cfg}")
+    chosen = ops.linear(x, w, scale=scale)
+    assert ("plain-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+    torch.testing.assert_close(chosen, want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(chosen, ops.linear(x, w, scale=scale))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (5, 6144, 4096)])
+def test_skinny_fp8_norm_linear(m, n, k):
+    g = torch.Generator(device=DEV).manual_seed(n + m)
+    x = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
+    res = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
+    nw = torch.rand(k, device=DEV, dtype=BF16, generator=g) + 0.5
+    w, scale = _fp8_weight(n, k, n)
+    normed, want_res = ref.add_rms_norm(x, res, nw, 1e-6)
+    want = _want(normed, w, scale)
+    y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, scale=scale)
+    assert torch.equal(new_res, want_res)
+    torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
+    y, new_res = ops.norm_linear(x, res, nw, 1e-6, w, scale=scale)
+    torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
+    assert ("norm-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2048, 8192), (5, 4096, 14336)])
+def test_skinny_fp8_silu_linear(m, n, k):
+    g = torch.Generator(device=DEV).manual_seed(n + m)
+    gate_up = torch.randn(m, 2 * k, device=DEV, dtype=BF16, generator=g)
+    w, scale = _fp8_weight(n, k, k)
+    want = _want(ref.silu_and_mul(gate_up), w, scale)
+    got = skinny.skinny_silu_linear(gate_up, w, scale=scale)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ops.silu_linear(gate_up, w, scale=scale), want, atol=2e-2,
+                               rtol=2e-2)
+    assert ("silu-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+
+
+def test_fp32_activations_stay_fp32():
+    """An fp32 model with FP8 weights: the skinny kernel and the dequantize path agree with
+    the fp32 reference to fp32 accuracy (no TF32, no bf16 rounding anywhere)."""
+    w, scale = _fp8_weight(1024, 2048, 7)
+    for m in (1, 4, 64):
+        x = torch.randn(m, 2048, device=DEV)
+        want = ref.dequantize(w, scale, torch.float64) @ x.double().T
+        got = ops.linear(x, w, scale=scale)
+        torch.testing.assert_close(got.double(), want.T, rtol=1e-5, atol=1e-5)
+    assert not fp8_linear.w8a8_applies(x, w)
+
+
+@pytest.mark.parametrize("m", [16, 64, 512])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_many_rows_w8a8(m, n, k):
+    """Above the skinny rows: W8A8 (per-token activation scales) within the activation
+    quantization's error of the dequantized product; ``ops.linear`` takes it."""
+    w, scale = _fp8_weight(n, k, m)
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    assert fp8_linear.w8a8_applies(x, w)
+    want = ref.linear(x.float(), w, scale=scale)
+    got = ops.linear(x, w, scale=scale).float()
+    rel = (got - want).norm() / want.norm()
+    assert rel < 0.05, rel
+    out = torch.empty(m, n, device=DEV, dtype=BF16)
+    assert ops.linear(x, w, scale=scale, out=out) is out
+    assert torch.equal(out.float(), got)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_moe_fp8_experts(path):
+    """Qwen1.5-MoE's expert shapes with FP8 experts: both expert paths against the
+    reference."""
+    e, k, h, i = 60, 4, 2048, 1408
+    g = torch.Generator(device=DEV).manual_seed(3)
+    t = 2 if path == "gemv" else 24
+    x = torch.randn(t, h, device=DEV, dtype=BF16, generator=g)
+    gate_up, gu_scale = ref.quantize_fp8(torch.randn(e, 2 * i, h, device=DEV, dtype=BF16,
+                                                     generator=g) * 0.02)
+    down, d_scale = ref.quantize_fp8(torch.randn(e, h, i, device=DEV, dtype=BF16,
+                                                 generator=g) * 0.02)
+    weights, ids = ref.route_topk(torch.randn(t, e, device=DEV, dtype=BF16, generator=g), k,
+                                  False)
+    want = ref.fused_moe(x.float(), gate_up, down, weights.float(), ids, gu_scale, d_scale)
+    fn = moe_decode.gemv_moe if path == "gemv" else moe.fused_moe
+    got = fn(x, gate_up, down, weights, ids, gu_scale, d_scale)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("mode", ["full", "piecewise", "ragged"])
+def test_fp8_engine_graphs_bit_identical_under_poisoned_padding(tmp_path, mode):
+    """The FP8 engine (bf16 activations, fused kernels) in a graph mode: padding rows carry
+    NaN and every replay is compared bit for bit with an eager run of the same batch
+    (``graph_check``); greedy tokens equal the eager engine's."""
+    from tests.conftest import make_checkpoint
+
+    make_checkpoint("llama", tmp_path, hidden_size=256, intermediate_size=512)
+    kw = dict(quantization="fp8", skip_tokenizer_init=True, max_model_len=128,
+              max_num_seqs=8, dtype="bfloat16")
+    prompts = [[3 + j, 17, 99, 4 + j, 250] for j in range(5)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = LLM(str(tmp_path), enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    eager.shutdown()
+    with LLM(str(tmp_path), cuda_graph_mode=mode, graph_check=1, poison_padding=True,
+             **kw) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        stats = llm.graph_stats()
+        assert stats["hits"] and stats["checks"] > 0, stats
+    assert got == want
