@@ -74,3 +74,16 @@ def test_speculative_decoding(setup, mode, method):
     if method == "draft_model":  # the base drafts: the adapters' requests reject some
         stats = llm.spec_stats()
         assert stats["draft_tokens"] > 0 and 0 < stats["acceptance_rate"] < 1, stats
+
+
+def test_over_fp8_weights(setup):
+    """Over FP8 projection weights (the adapters stay in the model dtype): base-model
+    requests give the FP8 engine's tokens without LoRA, adapter requests their own."""
+    base, loras, _ = setup
+    plain = engine(base, "eager", quantization="fp8", enable_lora=False)
+    want = tokens(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = engine(base, "eager", quantization="fp8")
+    reqs = [None, loras[0], None, loras[1]]
+    got = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs))
+    assert got[0] == want[0] and got[2] == want[2]
+    assert got[1] != want[1] and got[3] != want[3]
