@@ -68,7 +68,9 @@ class LoRAManager:
         cuda = slots.device.type == "cuda"
         self.stream = torch.cuda.Stream(slots.device) if cuda else None
         self.loads = 0
-        self.load_seconds: list[float] = []  # per load: copy start to done (seen by ready)
+        # Copies started, and the seconds from each copy's start to the scheduler seeing it
+        # done (summed; the scheduler looks once per step).
+        self.load_wait_seconds = 0.0
 
     # Adapters --------------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class LoRAManager:
             if pending.event is not None and not pending.event.query():
                 return False
             del self.loading[lid]
-            self.load_seconds.append(time.perf_counter() - pending.start)
+            self.load_wait_seconds += time.perf_counter() - pending.start
             return True
         slot = self._take_slot()
         if slot is None:
