@@ -81,6 +81,9 @@ class HostBatch:
     # ``draft_count_tokens[i]`` (a draft before it) as an output when penalised.
     draft_count_rows: np.ndarray | None = None  # [P] int64
     draft_count_tokens: np.ndarray | None = None  # [P] int64
+    # LoRA: each request's adapter slot (-1: the base model); None when no request of the
+    # step runs an adapter (``replaylm.lora``).
+    lora_slots: np.ndarray | None = None  # [B] int32
 
     @property
     def num_tokens(self) -> int:

@@ -124,6 +124,13 @@ _HELP: dict[str, str] = {
     "of the weights on a background thread once start-up has captured its graphs, so the "
     "first sleep only copies (costs host memory the size of the weights from start-up on; "
     "off: pinned at the first sleep(level=1))",
+    "enable_lora": "serve LoRA adapters (PEFT format) over the base model: requests pick one "
+    "(or none) each, and every mix of adapters runs in one batch through the same graphs",
+    "max_loras": "adapters resident on the device at once (the adapter slots every step can "
+    "mix); a request whose adapter is not resident waits until a slot frees",
+    "max_lora_rank": "largest adapter rank accepted; every slot is sized for it",
+    "max_cpu_loras": "adapters kept loaded in host memory (least recently used evicted; "
+    "default: max_loras); must be >= max_loras",
     "speculative_config": "speculative decoding, as JSON: {\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} or {\"method\": "
     "\"draft_model\", \"model\": DIR_OR_SHAPE, \"num_speculative_tokens\": 4, "
@@ -186,6 +193,10 @@ class EngineArgs:
     distributed_timeout_s: float = 600.0
     enable_sleep_mode: bool = False
     sleep_pin_ahead: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @functools.cached_property
     def spec(self) -> SpecConfig | None:
@@ -237,6 +248,7 @@ class EngineArgs:
         _check_all_reduce_backend(self)
         if self.enable_dp_attention:
             _check_dp_attention(self)
+        _check_lora(self)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -331,6 +343,20 @@ def _check_dp_attention(args: EngineArgs) -> None:
         raise ValueError(f"{field} needs tensor_parallel_size=1 (got "
                          f"{args.tensor_parallel_size}): the data-parallel ranks form the "
                          "MLP's tensor-parallel group")
+
+
+def _check_lora(args: EngineArgs) -> None:
+    """The LoRA settings, and the engine features LoRA does not run with."""
+    _positive("max_loras", args.max_loras)
+    _positive("max_lora_rank", args.max_lora_rank)
+    if args.max_cpu_loras is not None:
+        _positive("max_cpu_loras", args.max_cpu_loras)
+        if args.max_cpu_loras < args.max_loras:
+            raise ValueError(f"EngineArgs.max_cpu_loras={args.max_cpu_loras} is invalid: must "
+                             f"be >= max_loras={args.max_loras}")
+    if args.enable_lora and args.enable_dp_attention:
+        raise ValueError("EngineArgs.enable_lora=True is not supported with "
+                         "enable_dp_attention (the MLP runs on every rank's rows)")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

@@ -39,6 +39,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.runner_setup import resolve_device
 from replaylm.engine.stats import EngineStats
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
+from replaylm.lora.request import LoRARequest
 from replaylm.model.parallel import check_dp_attention, check_tensor_parallel
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.stats import SpecStats
@@ -130,8 +131,25 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
 
     # Requests ------------------------------------------------------------------------------
 
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Every data-parallel rank's engine knows ``lora_request``'s adapter (each checks
+        it: ``EngineCore.add_lora``)."""
+        if lora_request is None:
+            return
+        for leader in self.leaders:
+            status, value = self._call(leader, "add_lora", lora_request)
+            if status == "invalid":
+                raise ValueError(value)
+
+    def remove_lora(self, name: str) -> bool:
+        """Every data-parallel rank forgets the adapter called ``name``."""
+        return any([self._call(leader, "remove_lora", name)[1] for leader in self.leaders])
+
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> AddedRequest:
+                    params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> AddedRequest:
+        """Queue a request on the least loaded rank (``lora_request``: its LoRA adapter,
+        checked by that rank's engine)."""
         params = params or SamplingParams()
         if self.is_sleeping():
             raise RuntimeError("add_request: the engine is asleep: call wake_up() first")
@@ -145,7 +163,8 @@ class MultiProcessEngine(RequestChecks, RanksWeightsAndSleep):
             self.live_stats.requests_rejected += 1
             raise
         rank = min(range(self.size), key=lambda r: (self.load[r], r))
-        status, value = self._call(self.leaders[rank], "add", request_id, ids, params)
+        status, value = self._call(self.leaders[rank], "add", request_id, ids, params,
+                                   lora_request)
         if status == "invalid":
             raise ValueError(value)
         self.load[rank] = value

@@ -11,7 +11,9 @@ the tier agreement, so every data-parallel rank steps in lockstep.
 The leader's runner sends each step to its followers in one message over a pipe
 (``("step", StepInput)``, ``("idle",)``, ``("stop",)``, and after an in-place weight update
 it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_up",)``,
-``("resize_kv_cache", num_blocks)`` after the leader's own); a follower runs the same step on its
+``("resize_kv_cache", num_blocks)`` after the leader's own; its LoRA slot changes,
+``("lora_load", slot, request)`` and ``("lora_clear", slot)``, before the steps that use
+them); a follower runs the same step on its
 shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
@@ -177,6 +179,10 @@ def _follow(args: EngineArgs, tpc: TensorParallel, agree: TierAgreement | None,
             runner.wake_up()
         elif op == "resize_kv_cache":  # the leader checked its requests' blocks
             runner.resize_kv(rest[0])
+        elif op == "lora_load":  # the leader's LoRA slot changes, ahead of their steps
+            runner.load_lora(*rest)
+        elif op == "lora_clear":
+            runner.lora_slots.clear(rest[0])
         else:
             return
 
@@ -203,6 +209,14 @@ def _handle(core: EngineCore, op: str, args: list) -> tuple[str, object]:
         return "ok", load_tokens(core)
     if op == "abort":
         return "ok", core.abort(*args)
+    if op == "add_lora":
+        try:
+            core.add_lora(*args)
+        except ValueError as e:
+            return "invalid", str(e)
+        return "ok", None
+    if op == "remove_lora":
+        return "ok", core.remove_lora(*args)
     if op == "stats":
         return "ok", _snapshot(core)
     if op in ("update_weights", "sleep", "wake_up", "audit_graphs", "reset_prefix_cache",

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from replaylm.batch import BLOCK_SIZE
-from replaylm.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hash
+from replaylm.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hash, prefix_root
 from replaylm.engine.request import Request
 
 SCRATCH_BLOCK = 0
@@ -198,7 +198,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         tokens = req.all_token_ids
-        parent, parent_serial = ROOT_HASH, 0
+        parent, parent_serial = prefix_root(req.lora_int_id)
         for i in range((req.num_tokens - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = chain_hash(parent, chunk)
@@ -232,7 +232,8 @@ class BlockManager:
         full = min(done // bs, len(req.block_ids))
         if full <= len(req.block_hashes):
             return  # the common case: no block completed since the last call
-        parent, parent_serial = req.block_hashes[-1] if req.block_hashes else (ROOT_HASH, 0)
+        parent, parent_serial = (req.block_hashes[-1] if req.block_hashes
+                                 else prefix_root(req.lora_int_id))
         for i in range(len(req.block_hashes), full):
             chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))
             h = chain_hash(parent, chunk)

@@ -23,6 +23,8 @@ from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
 from replaylm.engine.weights_and_sleep import WeightsAndSleep
 from replaylm.graphs.runtime import Agree
+from replaylm.lora.manager import LoRAManager
+from replaylm.lora.request import LoRARequest
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.adaptive import AdaptiveBudget
@@ -73,6 +75,13 @@ class EngineCore(RequestChecks, WeightsAndSleep):
             enable_chunked_prefill=args.enable_chunked_prefill,
             max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         )
+        # LoRA (``enable_lora``): adapters on the host and in the runner's device slots.
+        self.lora: LoRAManager | None = None
+        if self.runner.lora_slots is not None:
+            self.lora = LoRAManager(cfg, self.runner.lora_slots,
+                                    args.max_cpu_loras or args.max_loras, tp)
+            self.lora.mirror = self._mirror_lora
+            self.scheduler.adapters = self.lora
         self.stats = EngineStats(kv_blocks_total=self.runner.num_blocks - 1,
                                  graph_mode=self.graph_mode, graphs=self.runner.graphs.stats)
         # Caller's request id -> its requests (one, or the n siblings of n > 1).
@@ -110,7 +119,10 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
+        """Queue a request; ``lora_request``: the LoRA adapter it runs with (None: the base
+        model), read and checked now if the engine has not seen it."""
         params = params or SamplingParams()
         self._awake("add_request")
         if request_id in self.requests:
@@ -118,6 +130,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         try:
             ids = self.tokenize(prompt)
             self.validate(ids, params)
+            self.add_lora(lora_request)
             grammar = self.compile_structured(params)
         except ValueError:
             self.stats.requests_rejected += 1
@@ -140,6 +153,7 @@ class EngineCore(RequestChecks, WeightsAndSleep):
                 parent_id=request_id, index=i,
             )
             req.leader = group[0] if group else None
+            req.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
             if grammar is not None:  # each sibling walks the grammar on its own
                 self.structured.add(req, self._matcher(grammar))
             group.append(req)
@@ -149,6 +163,32 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(ids)
         return group[0]
+
+    def add_lora(self, lora_request: LoRARequest | None) -> None:
+        """Know ``lora_request``'s adapter and hold it on the host (``LoRAManager.add``);
+        ``ValueError`` when LoRA is off or the adapter is bad."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, not "
+                             f"{type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError("lora_request needs the engine started with enable_lora=True")
+        self.lora.add(lora_request)
+
+    def _mirror_lora(self, msg: tuple) -> None:
+        """A slot change, sent to the tensor-parallel followers (if any) ahead of the steps
+        that use it."""
+        if self.runner.broadcast is not None:
+            self.runner.broadcast(msg)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget the LoRA adapter called ``name`` (requests running with it finish with
+        it); False if the engine does not know it."""
+        if self.lora is None or name not in self.lora.by_name:
+            return False
+        self.lora.remove(name)
+        return True
 
     def compile_structured(self, params: SamplingParams) -> Any:
         """The compiled grammar of ``params.structured_outputs`` (None without one), from the

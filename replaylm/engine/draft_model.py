@@ -69,6 +69,7 @@ class DraftSeq:
         self.num_prompt_tokens = 0
         self.num_pending = 0
         self.fed: list[int] = []  # drafts written after the known tokens, in order
+        self.lora_slot = -1  # the draft model runs without the request's LoRA adapter
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,9 @@ from replaylm.graphs.audit import AuditReport
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
+from replaylm.lora.peft import load_adapter
+from replaylm.lora.request import LoRARequest
+from replaylm.lora.slots import LoRASlots
 from replaylm.memory.arena import Arena, Region, adopt_parameters
 from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
 from replaylm.model.compressed_tensors import fp8_scheme
@@ -100,6 +103,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.pdl = self._configure_pdl()
         self._load(model_dir)
         self.arena, weights = self._adopt_weights()
+        self.lora_slots = self._start_lora()  # before the KV sizing, which counts them
         self.compile_plan = self._compile_ahead()
         self.all_reduce_report = self._configure_all_reduce()
         self.sampler = StepSampler(args.max_num_seqs, self.cfg.vocab_size, self.device,
@@ -166,6 +170,32 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.model.rope_in_attention_max_reqs = (
             self.policy.rope_in_attention_max_reqs(args.rope_in_attention_max_reqs)
             if self.model.kernels is not None else 0)
+
+    def _start_lora(self) -> LoRASlots | None:
+        """With ``enable_lora``: the adapter slots (static buffers, ``lora.slots``) and each
+        decoder layer's hook into them; None otherwise."""
+        args = self.args
+        if not args.enable_lora:
+            return None
+        # Every token a step may pack: the budget, a graph tier, a verify's padding rows.
+        max_tokens = (max(args.max_num_batched_tokens, self.policy.top_tier)
+                      + args.max_num_seqs * self.rows_per_req)
+        slots = LoRASlots(self.cfg, args.max_loras, args.max_lora_rank, max_tokens, self.dtype,
+                          self.device)
+        for layer, hook in zip(self.model.layers, slots.hooks()):
+            layer.lora = hook
+        log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", args.max_loras,
+                 args.max_lora_rank,
+                 LoRASlots.nbytes(self.cfg, args.max_loras, args.max_lora_rank, self.dtype)
+                 / 2**20)
+        return slots
+
+    def load_lora(self, slot: int, request: LoRARequest) -> None:
+        """A tensor-parallel follower: load this rank's shard of ``request``'s adapter into
+        ``slot``, as the leader's ``LoRAManager`` did (``("lora_load", ...)``)."""
+        adapter = load_adapter(request, self.full_cfg, self.args.max_lora_rank, self.dtype,
+                               tp=self.tp)
+        self.lora_slots.load(slot, adapter)
 
     def _adopt_weights(self) -> tuple[Arena | None, Region | None]:
         """Sleep mode: move the weights into an arena region (before anything captures
@@ -263,6 +293,8 @@ class ModelRunner(RunnerStartup, KVSizing):
             self.admit(req)
         self.sampler.flush()
         self.buffers.update_block_tables(host)
+        if self.lora_slots is not None:
+            self.lora_slots.set_step(host.lora_slots, host.cu_seqlens_q)
         spec = self.spec
         if plan is None:
             eager = (spec is not None and spec.verify == "eager" and host.draft_next is not None

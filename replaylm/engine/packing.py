@@ -44,6 +44,7 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
     seg_start: list[int] = []
     pen_rows: list[int] = []  # penalties: (sampled row, draft before it) pairs
     pen_tokens: list[int] = []
+    lora_slots: list[int] = []  # each request's adapter slot (-1: base model)
     verify = False
     pad_to = pad_verify_to if pad_verify_to and any(
         sr.drafts and sr.sample for sr in out.scheduled) else 0
@@ -91,6 +92,7 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
         cu.append(len(ids))
         kv_lens.append(end + pad)
         req_slots.append(req.slot)
+        lora_slots.append(req.lora_slot)
         real_end = len(ids) - pad
         if sr.sample and drafts:
             # k + 1 rows sample output positions num_generated .. + k; the request's next
@@ -136,4 +138,6 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
         layout_pad_tokens=layout_pad,
         draft_count_rows=np.asarray(pen_rows, dtype=i64) if pen_rows else None,
         draft_count_tokens=np.asarray(pen_tokens, dtype=i64) if pen_rows else None,
+        lora_slots=(np.asarray(lora_slots, dtype=i32)
+                    if any(s >= 0 for s in lora_slots) else None),
     )

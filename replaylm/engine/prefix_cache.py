@@ -5,7 +5,8 @@ lookup per block walks a prompt's prefix. The hash only finds a candidate: a hit
 the block's stored tokens and the *serial* of its parent entry (every registration gets a new,
 never reused serial). A block is therefore reused only when its own tokens match and its parent
 is exactly the entry matched one block earlier, which by induction means the whole prefix
-matches: hash collisions can cost a miss, never a wrong hit.
+matches: hash collisions can cost a miss, never a wrong hit. A prompt's first block's parent
+is its LoRA adapter's root (``prefix_root``), so blocks are never shared across adapters.
 
 Cached blocks with no holder stay in ``evictable`` (least recently released first) and count as
 free: the allocator takes plain free blocks first and evicts from here only when none are left.
@@ -22,6 +23,17 @@ ROOT_HASH = 0x5EED_CAC4E  # the "parent hash" of a prompt's first block
 
 def chain_hash(parent_hash: int, tokens: tuple[int, ...]) -> int:
     return hash((parent_hash, tokens))
+
+
+def prefix_root(lora_int_id: int = 0) -> tuple[int, int]:
+    """``(parent hash, parent serial)`` of a prompt's first block. Blocks are keyed by the
+    request's LoRA adapter (0: the base model): an adapter's first block has the parent
+    serial ``-1 - lora_int_id``, which no entry's serial (always > 0) nor the block
+    manager's stale marker (-1) equals, so the same tokens under two adapters never match,
+    hash collisions included."""
+    if lora_int_id == 0:
+        return ROOT_HASH, 0
+    return hash((ROOT_HASH, "lora", lora_int_id)), -1 - lora_int_id
 
 
 @dataclass(frozen=True)

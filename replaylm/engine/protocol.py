@@ -16,6 +16,7 @@ from replaylm.engine.observer import StepObserver
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.stats import EngineStats
 from replaylm.graphs.audit import AuditReport
+from replaylm.lora.request import LoRARequest
 from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.config import ModelConfig
 from replaylm.model.weight_update import Source, WeightUpdate
@@ -62,7 +63,12 @@ class Engine(Protocol):
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None: ...
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> Added: ...
+                    params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> Added: ...
+
+    def add_lora(self, lora_request: LoRARequest | None) -> None: ...
+
+    def remove_lora(self, name: str) -> bool: ...
 
     def abort(self, request_id: str) -> bool: ...
 

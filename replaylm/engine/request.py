@@ -100,6 +100,9 @@ class Request:
         # Structured outputs: the xgrammar matcher of this request's grammar (None: free text),
         # advanced by every accepted token (``replaylm.structured.masks``).
         self.grammar = None
+        # LoRA: the adapter's id (0: the base model) and, while running, its device slot.
+        self.lora_int_id = 0
+        self.lora_slot = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -74,6 +74,9 @@ class Scheduler:
     ``max_mixed_prefill_tokens`` prompt tokens (0: the whole budget), so the prefills of
     new requests spread over the decode steps instead of making a few steps many times
     longer than the rest; a step with nothing to decode fills the whole budget.
+
+    A request whose LoRA adapter is not in a device slot yet is passed over (it keeps its
+    place) while the ones behind it are admitted (``adapters``).
     """
 
     def __init__(
@@ -121,6 +124,9 @@ class Scheduler:
         # Called with every request whose blocks and slot are released (finish, abort,
         # preemption): state kept beside them (a draft model's KV) goes with them.
         self.on_release: Callable[[Request], None] | None = None
+        # LoRA (``lora.manager.LoRAManager``): a waiting request is admitted only once its
+        # adapter sits in a device slot (``ready``), and holds the slot while running.
+        self.adapters = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -211,11 +217,15 @@ class Scheduler:
             i += 1
 
         # After a preemption the pool is tight: admitting now would only evict again next step.
-        while self.waiting and budget > 0 and self._free_slots and not out.preempted \
-                and not out.blocked:
-            req = self.waiting[0]
+        head = 0  # requests before it wait for their LoRA adapter's slot
+        while head < len(self.waiting) and budget > 0 and self._free_slots \
+                and not out.preempted and not out.blocked:
+            req = self.waiting[head]
             if self._waits_for_leader(req):
                 break  # FCFS: nothing overtakes it, and the leader's prefill is under way
+            if self.adapters is not None and not self.adapters.ready(req):
+                head += 1  # its adapter is not in a slot yet: the requests behind go on
+                continue
             hit = self._reuse_prefix(req)
             n = req.num_tokens - req.num_computed_tokens
             limit = budget if n == 1 else min(budget, prefill_room)
@@ -230,7 +240,9 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             bm.record_query(req, hit)
-            self.waiting.popleft()
+            del self.waiting[head]
+            if self.adapters is not None:
+                self.adapters.hold(req)
             req.slot = heapq.heappop(self._free_slots)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -386,6 +398,8 @@ class Scheduler:
         if self.on_release is not None:
             self.on_release(req)
         self.block_manager.free(req)
+        if self.adapters is not None:
+            self.adapters.release(req)
         if req.slot >= 0:
             heapq.heappush(self._free_slots, req.slot)
             req.slot = -1

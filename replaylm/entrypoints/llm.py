@@ -15,6 +15,7 @@ from replaylm.engine.protocol import Engine
 from replaylm.engine.stats import EngineStats
 from replaylm.entrypoints.factory import make_engine
 from replaylm.graphs.audit import AuditReport
+from replaylm.lora.request import LoRARequest
 from replaylm.memory.sleep import SleepReport, WakeReport
 from replaylm.model.weight_update import Source, WeightUpdate
 from replaylm.sampling_params import SamplingParams
@@ -172,27 +173,33 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
-        Every prompt is validated before any is queued, so one bad prompt raises
-        ``ValueError`` without leaving the others half-run.
+        ``lora_request``: the LoRA adapter every prompt runs with, or a list of one per
+        prompt (None: the base model); needs ``enable_lora=True``. Every prompt (and
+        adapter) is validated before any is queued, so one bad prompt raises ``ValueError``
+        without leaving the others half-run.
         """
         if self.engine.is_sleeping():
             raise RuntimeError("generate: the engine is asleep: call wake_up() first")
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        loras = _as_lora_list(lora_request, len(prompt_list))
         token_ids = [self.engine.tokenize(p) for p in prompt_list]
-        for i, (ids, sp) in enumerate(zip(token_ids, params)):
+        for i, (ids, sp, lora) in enumerate(zip(token_ids, params, loras)):
             try:
                 self.engine.validate(ids, sp)
+                if lora is not None:
+                    self.engine.add_lora(lora)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         outputs: dict[str, RequestOutput] = {}
         order = []
-        for prompt, ids, sp in zip(prompt_list, token_ids, params):
+        for prompt, ids, sp, lora in zip(prompt_list, token_ids, params, loras):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_request(rid, ids, sp, lora_request=lora)
             outputs[rid] = RequestOutput(
                 rid, prompt if isinstance(prompt, str) else None, ids,
                 [CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None
@@ -243,6 +250,22 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             raise ValueError(f"prompt {i} must be a string or a list of token ids, "
                              f"not {type(p).__name__}")
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if isinstance(lora, str) or not isinstance(lora, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them or None, not "
+                         f"{type(lora).__name__}")
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora_requests for {n} prompts")
+    for i, item in enumerate(lora):
+        if item is not None and not isinstance(item, LoRARequest):
+            raise ValueError(f"lora_request {i} must be a LoRARequest or None, not "
+                             f"{type(item).__name__}")
+    return lora
 
 
 def _as_params_list(sp, n: int) -> list[SamplingParams]:

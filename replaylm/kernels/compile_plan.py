@@ -55,7 +55,11 @@ UNRELATED_ARGS = frozenset({
     "max_stop_strings", "max_stop_string_length", "distributed_timeout_s", "graph_check",
     "enable_sleep_mode", "sleep_pin_ahead",
     "structured_outputs_any_whitespace", "structured_outputs_compile_timeout_s",
-    "structured_outputs_compile_threads", "max_mixed_prefill_tokens"})
+    "structured_outputs_compile_threads", "max_mixed_prefill_tokens", "max_cpu_loras"})
+
+#: LoRA's settings: part of the key only with LoRA on (its kernels then compile), so a start
+#: without LoRA keys as it would without these settings at all.
+LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank")
 
 #: Model config fields no kernel sees: a checkpoint, its instruct variant and its named shape
 #: share plans.
@@ -87,6 +91,8 @@ def plan_key(gpu: str, model: dict[str, Any], args: dict[str, Any], graph_mode: 
 
     shapes = {k: v for k, v in model.items() if k not in UNRELATED_MODEL_FIELDS}
     settings = {k: v for k, v in args.items() if k not in UNRELATED_ARGS}
+    if not settings.get("enable_lora"):
+        settings = {k: v for k, v in settings.items() if k not in LORA_ARGS}
     settings |= {"cuda_graph_mode": graph_mode, "enforce_eager": graph_mode == "eager"}
     text = json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                        "model": shapes, "args": settings}, sort_keys=True, default=repr)

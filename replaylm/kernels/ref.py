@@ -199,3 +199,39 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         # dropped, and rows never mix here).
         out += torch.where(dense[:, e, None] != 0, y * dense[:, e, None], 0.0)
     return out
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor, num_segments: int = 1) -> torch.Tensor:
+    """The first half of a LoRA delta: row ``t`` of the result is ``x[t] @ a[slots[t]]^T``
+    (``a`` ``[L, S*R, in]``: ``L`` adapter slots, ``S`` output segments of ``R`` rank rows
+    each), in ``x``'s dtype; rows whose slot is -1 or holds no adapter (rank 0) are 0.
+
+    Graph safe: every slot's product runs on every row and each row keeps its own slot's.
+    ``num_segments`` is the kernel's launch shape; rows past a slot's rank are zero in
+    ``a`` (``replaylm.lora`` pads them), so the product needs no mask here.
+    """
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
+    for slot in range(a.shape[0]):
+        rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
+        out = torch.where(rows, linear(x, a[slot]), out)
+    return out
+
+
+def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor, scales: torch.Tensor,
+                segments: tuple[int, ...]) -> torch.Tensor:
+    """The second half of a LoRA delta: ``y[t] + scales[slot] * s[t, seg] @ b[slot, seg]^T``
+    per output segment (``segments``: the widths of the projection's output pieces, e.g.
+    q, k, v; ``s`` holds ``R`` columns per segment, ``b`` is ``[L, out, R]``), ``slot =
+    slots[t]``; rows whose slot is -1 or holds no adapter come back unchanged."""
+    rank = b.shape[-1]
+    for slot in range(b.shape[0]):
+        parts, start = [], 0
+        for j, width in enumerate(segments):
+            parts.append(linear(s[:, j * rank:(j + 1) * rank], b[slot, start:start + width]))
+            start += width
+        delta = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
+        y = torch.where(rows, y + delta * scales[slot], y)
+    return y

@@ -27,9 +27,11 @@ from starlette.requests import Request as HTTPRequest
 
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.protocol import Engine
+from replaylm.lora.request import LoRARequest
 from replaylm.server.connections import TIMED_OUT
 from replaylm.server.engine_loop import EngineLoop, NotAccepting
 from replaylm.server.generation import Generation, GenerationStream
+from replaylm.server.lora import ServedAdapters, add_lora_routes
 from replaylm.server.metrics import CONTENT_TYPE, ServerMetrics
 from replaylm.server.prompts import PromptWorkers
 from replaylm.server.protocol import (
@@ -72,18 +74,23 @@ def build_app(core: Engine, max_queue: int = 1024,
               served_model_name: str | None = None,
               max_request_bytes: int = 8 * 2**20, admin_api_key: str | None = None,
               admin_drain_timeout: float = 30.0,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, lora_modules: dict[str, str] | None = None,
+              enable_lora_updates: bool = False) -> FastAPI:
     """An app serving ``core`` (one engine, or the driver of data- and tensor-parallel
     workers); its engine loop starts and stops with the app's lifespan. Request bodies above
     ``max_request_bytes`` are answered 413. ``admin_api_key``: serve the admin routes
     (``server.admin``) to holders of this bearer token. ``tool_call_parser``: how chat
     outputs are read for tool calls (``server.tool_calls.PARSERS``; None: only forced calls,
-    in the default format)."""
+    in the default format). ``lora_modules``: LoRA adapters served by name
+    (``server.lora``), loaded now; ``enable_lora_updates``: serve the adapter load/unload
+    routes without an admin key."""
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser={tool_call_parser!r} is invalid: must be one of "
                          f"{', '.join(PARSERS)}")
     served = served_model_name or core.args.model
     aliases = {served, core.args.model, core.model_config.name}
+    adapters = ServedAdapters()
+    adapters.add_at_start(core, lora_modules or {})
     # Read at scrape time on the event loop's thread: a driver's live view, never its pipes.
     stats = core.live_stats
     metrics = ServerMetrics(lambda: stats, lambda: engine.in_flight)
@@ -165,19 +172,25 @@ def build_app(core: Engine, max_queue: int = 1024,
             raise too_large
         return b"".join(chunks)
 
-    async def parse(request: HTTPRequest, model: type[Body]) -> Body:
+    async def parse(request: HTTPRequest, model: type[Body]) -> tuple[Body, LoRARequest | None]:
+        """The body and the LoRA adapter its ``model`` names (None: the base model)."""
         raw = await read_body(request)
         try:
             body = model.model_validate_json(raw)
         except ValidationError as e:
             raise from_validation_error(e) from None
-        if body.model is not None and body.model not in aliases:
+        if body.model is None or body.model in aliases:
+            return body, None
+        lora = adapters.by_name.get(body.model)
+        if lora is None:
             raise APIError(f"The model {body.model!r} does not exist: this server serves "
-                           f"{served!r}", param="model", status=404, code="model_not_found")
-        return body
+                           f"{served!r}" + "".join(f", {n!r}" for n in adapters.by_name),
+                           param="model", status=404, code="model_not_found")
+        return body, lora
 
     async def generate(request: HTTPRequest, body: CompletionRequest | ChatCompletionRequest,
-                       prompts: list[str | list[int]] | None) -> Any:
+                       prompts: list[str | list[int]] | None,
+                       lora: LoRARequest | None = None) -> Any:
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         tools = tool_plan(body, tool_call_parser) if chat else None
@@ -211,7 +224,8 @@ def build_app(core: Engine, max_queue: int = 1024,
         top_k = params[0].logprobs if with_logprobs and params[0].logprobs is not None else None
         lp = None if top_k is None else LogprobFormatter(core.tokenizer, chat, top_k)
         response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shapes = Shapes(response_id, int(time.time()), served, chat)
+        shapes = Shapes(response_id, int(time.time()),
+                        served if lora is None else lora.lora_name, chat)
         echo = not chat and body.echo
         gen = Generation(engine, shapes, k, body.include_usage, lp, param,
                          score_only=not chat and body.score_only, tools=tools)
@@ -227,7 +241,7 @@ def build_app(core: Engine, max_queue: int = 1024,
                                 for p, i in zip(prompts, ids)]
             except ValueError as e:
                 raise from_value_error(e, param) from e
-            await gen.start(ids, params, body.n)
+            await gen.start(ids, params, body.n, lora)
         except NotAccepting:
             gen.close()
             raise APIError("server is shutting down", status=503, type_="server_error",
@@ -245,20 +259,20 @@ def build_app(core: Engine, max_queue: int = 1024,
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest) -> Any:
-        body = await parse(request, CompletionRequest)
-        return await generate(request, body, body.prompts())
+        body, lora = await parse(request, CompletionRequest)
+        return await generate(request, body, body.prompts(), lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest) -> Any:
-        body = await parse(request, ChatCompletionRequest)
-        return await generate(request, body, None)
+        body, lora = await parse(request, ChatCompletionRequest)
+        return await generate(request, body, None, lora)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": served, "object": "model", "created": 0, "owned_by": "replaylm",
             "max_model_len": core.max_model_len,
-        }]}
+        }, *adapters.model_cards(served)]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -270,6 +284,8 @@ def build_app(core: Engine, max_queue: int = 1024,
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    if admin_api_key or enable_lora_updates:
+        add_lora_routes(app, engine, adapters, admin_api_key)
     if admin_api_key:
         from replaylm.server.admin import add_admin_routes
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.protocol import Engine
+from replaylm.lora.request import LoRARequest
 from replaylm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,10 @@ class EngineLoop:
         self.in_flight -= k
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  queue: asyncio.Queue, choice: int = 0) -> int:
-        """Queue a request; returns its prompt length. Deltas arrive as ``(choice, delta)``
+                  queue: asyncio.Queue, choice: int = 0,
+                  lora_request: LoRARequest | None = None) -> int:
+        """Queue a request (``lora_request``: its LoRA adapter, None: the base model);
+        returns its prompt length. Deltas arrive as ``(choice, delta)``
         (with ``params.n > 1``, sibling ``delta.index`` is choice ``choice + index``).
 
         Raises the engine's ``ValueError`` for a bad request (nothing was added then).
@@ -126,7 +129,7 @@ class EngineLoop:
         def add(core: Engine) -> int:
             if self._cancelled is not None:
                 raise NotAccepting(self._cancelled)
-            req = core.add_request(request_id, prompt, params)
+            req = core.add_request(request_id, prompt, params, lora_request=lora_request)
             self._streams[request_id] = _Stream(loop, queue, choice, time.monotonic(),
                                                 unfinished=set(range(params.n)))
             return req.num_prompt_tokens

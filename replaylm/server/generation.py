@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from replaylm.engine.outputs import RequestDelta
+from replaylm.lora.request import LoRARequest
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.engine_loop import EngineFailure, EngineLoop, ShuttingDown
 from replaylm.server.protocol import APIError, ToolPlan, from_value_error
@@ -63,8 +64,9 @@ class Generation:
         self._closed = False
 
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams],
-                    n: int) -> None:
-        """Add every engine request; a ``ValueError`` becomes a 400 (the caller closes).
+                    n: int, lora_request: LoRARequest | None = None) -> None:
+        """Add every engine request (under ``lora_request``'s adapter when given); a
+        ``ValueError`` becomes a 400 (the caller closes).
 
         ``params`` has one entry per engine request of a prompt: ``[p]`` with ``p.n == n``
         when the engine runs the ``n`` siblings itself (they share the prompt's KV blocks),
@@ -77,7 +79,8 @@ class Generation:
                 rid = f"{self._base}-{choice}"
                 self._open[rid] = sp.n
                 try:
-                    num_prompt = await self.loop.add(rid, prompt, sp, self.queue, choice)
+                    num_prompt = await self.loop.add(rid, prompt, sp, self.queue, choice,
+                                                     lora_request)
                 except ValueError as e:
                     del self._open[rid]
                     raise from_value_error(e, self.prompt_param) from e

@@ -43,6 +43,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      "/admin/wake_up, /admin/reset_prefix_cache, GET /admin/is_sleeping) to "
                      "requests carrying 'Authorization: Bearer KEY' (default: no admin "
                      "routes)")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) to serve, each under its NAME: a "
+                     "request's model picks one (needs --enable-lora)")
+    srv.add_argument("--enable-lora-updates", action="store_true",
+                     help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                     "without an admin key (with --admin-api-key they are served behind it)")
     srv.add_argument("--admin-drain-timeout", type=float, default=30.0,
                      help="seconds an update or sleep waits for in-flight requests before "
                      "aborting them (default: 30)")
@@ -83,6 +89,13 @@ def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"--request-timeout={ns.request_timeout} / --shutdown-timeout="
               f"{ns.shutdown_timeout} is invalid: must be > 0 / >= 0", file=sys.stderr)
         return 2
+    from replaylm.server.lora import parse_lora_modules
+
+    try:
+        ns.lora_modules = parse_lora_modules(ns.lora_modules)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     core = make_engine(EngineArgs.from_cli_args(ns))
     try:
@@ -98,7 +111,8 @@ def _serve(ns: argparse.Namespace, core: Any) -> int:
     app = build_app(core, max_queue=ns.max_queue, served_model_name=ns.served_model_name,
                     max_request_bytes=ns.max_request_bytes,
                     admin_api_key=ns.admin_api_key, admin_drain_timeout=ns.admin_drain_timeout,
-                    tool_call_parser=ns.tool_call_parser)
+                    tool_call_parser=ns.tool_call_parser, lora_modules=ns.lora_modules,
+                    enable_lora_updates=ns.enable_lora_updates)
     config = uvicorn_config(app, ns.host, ns.port, ns.log_level, ns.request_timeout,
                             ns.shutdown_timeout)
     reason = (f"server shutting down: the request was cancelled after --shutdown-timeout "

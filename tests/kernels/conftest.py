@@ -33,7 +33,7 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny", "replaylm.kernels.tuner",
             "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.ops",
-            "replaylm.kernels.argmax", "replaylm.kernels.step_inputs")
+            "replaylm.kernels.argmax", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
 
 
 def _compiled_kernels(mod) -> bool:
@@ -74,6 +74,6 @@ def kernels():
                           skinny=by_name["skinny"], elementwise=by_name["elementwise"],
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
-                          moe_decode=by_name["moe_decode"],
+                          moe_decode=by_name["moe_decode"], lora=by_name["lora"],
                           backend=TritonAttentionBackend())
     undo_shim()
