@@ -18,6 +18,7 @@ from replaylm.config import EngineArgs
 from replaylm.engine.core import EngineCore
 from replaylm.server.app import build_app
 from replaylm.server.lora import parse_lora_modules
+from tests.lora.conftest import lora_setup  # noqa: F401, F811  (the LoRA tests' fixture)
 from tests.lora.helpers import GREEDY, PROMPTS
 from tests.server.conftest import serve
 
@@ -28,7 +29,7 @@ ARGS = dict(device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, enfor
 
 
 @pytest.fixture(scope="module")
-def setup(lora_setup, tmp_path_factory):
+def setup(lora_setup, tmp_path_factory):  # noqa: F811
     """The llama checkpoint with a tokenizer beside it (the default model's: ids below 256
     decode to text), and the texts an engine generates for prompt 0 under each adapter."""
     base, loras, _ = lora_setup("llama")
