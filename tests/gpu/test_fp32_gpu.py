@@ -14,14 +14,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-triton = pytest.importorskip("triton")
+from tests.gpu.requires import compiled_triton  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if isinstance(triton.language.sum, InterpretedFunction):
-    pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
+triton = compiled_triton()
 
 from replaylm import LLM, SamplingParams  # noqa: E402
 from replaylm.attention.torch_ref import gather_kv  # noqa: E402

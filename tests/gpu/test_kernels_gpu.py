@@ -10,19 +10,13 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-triton = pytest.importorskip("triton")
+from tests.gpu.requires import compiled_triton  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+triton = compiled_triton()
 
 from replaylm.attention.torch_ref import attention_ref  # noqa: E402
-from replaylm.batch import BLOCK_SIZE, AttentionMetadata  # noqa: E402
-
-if isinstance(triton.language.sum, InterpretedFunction):
-    pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
-
 from replaylm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from replaylm.batch import BLOCK_SIZE, AttentionMetadata  # noqa: E402
 from replaylm.kernels import attention as attn  # noqa: E402
 from replaylm.kernels import elementwise, ops, ref, skinny, tuner  # noqa: E402
 from tests import attn_helpers  # noqa: E402

@@ -13,14 +13,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-triton = pytest.importorskip("triton")
+from tests.gpu.requires import compiled_triton  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-if isinstance(triton.language.sum, InterpretedFunction):
-    pytest.skip("Triton interpreter is active in this process", allow_module_level=True)
+triton = compiled_triton()
 
 from replaylm.kernels import jit_clock, ops, ref, tuner, tuning_cache  # noqa: E402
 
