@@ -42,21 +42,23 @@ def _driver() -> Any:
     return driver
 
 
-def _handles(graph: torch.cuda.CUDAGraph) -> tuple[Any, Any]:
-    """The graph's ``CUgraph`` and ``CUgraphExec`` as the driver bindings take them."""
-    drv = _driver()
-    raw, raw_exec = graph.raw_cuda_graph(), graph.raw_cuda_graph_exec()
-    g = drv.CUgraph(init_value=int(raw)) if isinstance(raw, int) else raw
-    e = drv.CUgraphExec(init_value=int(raw_exec)) if isinstance(raw_exec, int) else raw_exec
-    return g, e
+def _graph_handle(graph: torch.cuda.CUDAGraph) -> Any:
+    """The graph's ``CUgraph`` (a kept graph: readable before and after instantiation), as
+    the driver bindings take it."""
+    raw = graph.raw_cuda_graph()
+    return _driver().CUgraph(init_value=int(raw)) if isinstance(raw, int) else raw
+
+
+def _exec_handle(graph: torch.cuda.CUDAGraph) -> Any:
+    """The graph's ``CUgraphExec`` (it must be instantiated), as the driver bindings take it."""
+    raw = graph.raw_cuda_graph_exec()
+    return _driver().CUgraphExec(init_value=int(raw)) if isinstance(raw, int) else raw
 
 
 def exec_update(target: torch.cuda.CUDAGraph, source_graph: Any) -> str:
     """Patch ``target``'s executable graph with the node parameters of ``source_graph`` (a
     ``CUgraph``); returns the driver's result name ("success" when patched)."""
-    drv = _driver()
-    _, exec_handle = _handles(target)
-    out = drv.cuGraphExecUpdate(exec_handle, source_graph)
+    out = _driver().cuGraphExecUpdate(_exec_handle(target), source_graph)
     status, info = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
     result = getattr(info, "result", None)
     code = int(getattr(result, "value", result)) if result is not None else None
@@ -87,7 +89,7 @@ def measure_graph(graph) -> dict:
     row: dict = {"graph": graph.name}
     # (b): a fresh capture, then patch the engine's executable graph from it.
     fresh, outs, row["capture_s"] = _fresh(graph)
-    src, _ = _handles(fresh)
+    src = _graph_handle(fresh)
     t0 = time.perf_counter()
     row["update_result"] = exec_update(graph.graph, src)
     torch.cuda.synchronize()
@@ -99,7 +101,7 @@ def measure_graph(graph) -> dict:
         fresh.replay()
         row["update_bit_identical"] = all(torch.equal(a, b) for a, b in
                                           zip(patched, _bits(outs), strict=True))
-        own, _ = _handles(graph.graph)  # back to the engine's own addresses
+        own = _graph_handle(graph.graph)  # back to the engine's own addresses
         row["restore_result"] = exec_update(graph.graph, own)
     del fresh, outs
     # (c): a fresh capture, then a new executable graph.

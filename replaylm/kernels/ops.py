@@ -77,7 +77,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
     for this shape; written into ``out`` when given. ``scale``: the per-row scales of an FP8
-    ``weight``, whose unfused path is ``fp8_linear.matmul`` (W8A8 or dequantize + cuBLAS).
+    ``weight``. Its few-row path is weight-only (the skinny kernel's FP8 variant against
+    dequantize + cuBLAS: activations are never quantized, so a request's numerics do not
+    depend on how many rows share its step up to ``skinny.MAX_M``); above that
+    ``fp8_linear.matmul`` (W8A8 or dequantize + cuBLAS).
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
@@ -88,12 +91,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         (_kind("plain", weight), x.shape[0], weight.shape[0], weight.shape[1], x.dtype,
          bias is not None),
         weight,
-        unfused=lambda w: _unfused_linear(x, w, bias, out, scale),
+        unfused=lambda w: ref.linear(x, w, bias, out, scale=scale),
         fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out, scale=scale),
     )
     if config is not None:
         return skinny.skinny_linear(x, weight, bias, config=config, out=out, scale=scale)
-    return _unfused_linear(x, weight, bias, out, scale)
+    return ref.linear(x, weight, bias, out, scale=scale)
 
 
 def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

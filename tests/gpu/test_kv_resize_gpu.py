@@ -26,7 +26,10 @@ def test_resize_moves_free_memory_and_keeps_graphs_and_outputs(mode):
     llm = LLM("llama3.2-1b", load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_num_seqs=8, num_kv_blocks=512, max_num_kv_blocks=8192, max_model_len=512,
               max_num_batched_tokens=512, cuda_graph_mode=mode, graph_tiers="1,2,4,8,64",
-              max_graph_tokens=64, graph_check=2)
+              max_graph_tokens=64, graph_check=2, enable_prefix_caching=False)
+    # No prefix cache: every run computes its prompts whole. In bf16, a prompt prefilled on
+    # top of cached blocks rounds differently from one prefilled whole, and a random-weight
+    # model's greedy tokens then part ways; the comparison is about the resized pool alone.
     core = llm.engine
     runner = core.runner
     region = runner.arena.regions["kv"]
