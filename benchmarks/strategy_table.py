@@ -56,7 +56,7 @@ def commands(model: str, modes: list[str], out: Path, tiny: bool, rates: str,
     if tiny:
         engine += ["--device", "cpu", "--graph-tiers", "1,8"]
         decode = ["--new-tokens", "4", "--prompt-len", "6", "--batched-prompt-len", "6",
-                  "--repeats", "1"]
+                  "--repeats", "1", "--batched-requests", str(batch), "--batched-repeats", "1"]
         serve = ["--input-len", "8", "--output-len", "4", "--len-dist", "exponential"]
         startup = ["--cpu-kv-cache-gib", "0.05", "--starts", "cold"]
     batches = f"1,{batch}"
