@@ -44,10 +44,10 @@ from replaylm.server.protocol import (
     native_n_supported,
     sampling_params,
     structured_params,
-    tool_plan,
 )
 from replaylm.server.responses import Echo, LogprobFormatter, Shapes
 from replaylm.server.tool_calls import PARSERS
+from replaylm.server.tool_plan import tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +194,16 @@ def build_app(core: Engine, max_queue: int = 1024,
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         tools = tool_plan(body, tool_call_parser) if chat else None
-        source = ("tools" if tools is not None and tools.constraint is not None
-                  else structured_params(body)[1])
+        forced = tools.constraint if tools is not None else None
+        source = "tools" if forced is not None else structured_params(body)[1]
         # Only sibling 0 of an engine-run group scores the prompt: echoed prompt logprobs
         # for every choice need a request per choice.
         per_choice_prompt = not chat and body.prompt_logprobs is not None
         try:  # every choice's params first: a bad value must not leave siblings running
             if (app.state.native_n and not per_choice_prompt) or body.n == 1:
-                params = [sampling_params(body, 0, with_logprobs, n=body.n, tools=tools)]
+                params = [sampling_params(body, 0, with_logprobs, n=body.n, tool_constraint=forced)]
             else:
-                params = [sampling_params(body, j, with_logprobs, tools=tools)
+                params = [sampling_params(body, j, with_logprobs, tool_constraint=forced)
                           for j in range(body.n)]
             await workers.check(params)
         except ValueError as e:

@@ -23,7 +23,7 @@ from replaylm.engine.outputs import RequestDelta
 from replaylm.lora.request import LoRARequest
 from replaylm.sampling_params import SamplingParams
 from replaylm.server.engine_loop import EngineFailure, EngineLoop, ShuttingDown
-from replaylm.server.protocol import APIError, ToolPlan, from_value_error
+from replaylm.server.protocol import APIError, from_value_error
 from replaylm.server.responses import (
     ChoiceState,
     Echo,
@@ -34,6 +34,7 @@ from replaylm.server.responses import (
     usage,
 )
 from replaylm.server.tool_calls import ToolCallStream, parse
+from replaylm.server.tool_plan import ToolPlan
 
 
 class Generation:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,7 +22,6 @@ from replaylm.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from replaylm.server.tool_calls import DEFAULT_PARSER, PARSERS, tool_grammar
 
 MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -264,55 +262,6 @@ class ChatCompletionRequest(_SamplingBody):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-@dataclass(frozen=True)
-class ToolPlan:
-    """How a chat request uses its tools: ``parser`` reads calls from the output (None: the
-    output is plain content); ``constraint`` forces them (``required`` or a named function);
-    ``names``: the functions a call may name."""
-
-    parser: str | None
-    constraint: StructuredOutputsParams | None
-    names: frozenset[str]
-
-
-def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan:
-    """The request's tool handling under the server's ``--tool-call-parser``; an
-    :class:`APIError` naming ``tool_choice`` or ``tools`` for a choice that cannot be served."""
-    tools = body.tools or []
-    choice = body.tool_choice
-    if choice is None:
-        choice = "auto" if tools else "none"
-    if choice != "none" and not tools:
-        raise APIError("tool_choice needs tools: give the functions the model may call",
-                       param="tool_choice")
-    names = [t.function.name for t in tools]
-    if len(set(names)) != len(names):
-        raise APIError("tools: function names must be unique", param="tools")
-    if choice == "none":
-        return ToolPlan(None, None, frozenset())
-    if choice == "auto":
-        if parser is None:
-            raise APIError('tool_choice="auto" needs a server started with --tool-call-parser '
-                           f"({' or '.join(PARSERS)}); \"required\" or a named function "
-                           "work without one", param="tool_choice")
-        return ToolPlan(parser, None, frozenset(names))
-    if structured_params(body)[0] is not None:
-        raise APIError("tool_choice forcing a call cannot be combined with response_format or "
-                       "another structured-output constraint", param="tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        chosen = [t for t in tools if t.function.name == choice.function.name]
-        if not chosen:
-            raise APIError(f"tool_choice names function {choice.function.name!r}, which is not "
-                           f"in tools ({', '.join(names)})", param="tool_choice")
-        tools, parallel = chosen, False
-    else:
-        parallel = body.parallel_tool_calls
-    fmt = parser or DEFAULT_PARSER
-    tag = tool_grammar([t.model_dump(exclude_none=True) for t in tools], fmt, parallel)
-    return ToolPlan(fmt, StructuredOutputsParams(structural_tag=tag),
-                    frozenset(t.function.name for t in tools))
-
-
 def native_n_supported() -> bool:
     """Whether the engine runs ``n > 1`` siblings itself (deltas tell them apart by ``index``)."""
     from replaylm.engine.outputs import RequestDelta
@@ -328,9 +277,12 @@ def native_n_supported() -> bool:
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: int = 0,
                     logprob_support: bool = True, n: int = 1,
-                    tools: ToolPlan | None = None) -> SamplingParams:
+                    tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     """The engine's params for ``body``: all ``n`` choices at once (``n > 1``, engine-run
     siblings), or choice ``sibling`` alone (``n == 1``, the server fans choices out).
+
+    ``tool_constraint``: the grammar forcing the request's tool calls (``server.tool_plan``),
+    which takes the place of any other structured-output constraint.
 
     Raises :class:`APIError` for a feature this engine build lacks and ``ValueError`` (from
     ``SamplingParams``) for a value out of range.
@@ -379,8 +331,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
             raise APIError(f"{name} is not supported by this engine build yet", param=name)
         kw[name] = value
     so, source = structured_params(body)
-    if tools is not None and tools.constraint is not None:
-        so = tools.constraint
+    if tool_constraint is not None:
+        so = tool_constraint
     if so is not None:
         kw["structured_outputs"] = so
     try:

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from replaylm.server.protocol import APIError, ChatCompletionRequest, tool_plan
+from replaylm.server.protocol import APIError, ChatCompletionRequest
 from replaylm.server.tool_calls import ToolCallStream, parse, tool_grammar
+from replaylm.server.tool_plan import tool_plan
 
 NAMES = {"get_weather", "search"}
 
