@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from replaylm.config import EngineArgs
+from replaylm.engine.adapters import AdapterRequests
 from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.draft_runner import load_draft_runner
 from replaylm.engine.launched import Launched
@@ -30,13 +31,12 @@ from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.adaptive import AdaptiveBudget
 from replaylm.speculative.protocol import Drafter
 from replaylm.speculative.stats import SpecStats
-from replaylm.structured.compiler import compile_for
 from replaylm.structured.masks import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
 
-class EngineCore(RequestChecks, WeightsAndSleep):
+class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
     """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
 
     def __init__(self, args: EngineArgs, tp: TensorParallel | None = None,
@@ -163,46 +163,6 @@ class EngineCore(RequestChecks, WeightsAndSleep):
         self.stats.requests_added += 1
         self.stats.prompt_tokens += len(ids)
         return group[0]
-
-    def add_lora(self, lora_request: LoRARequest | None) -> None:
-        """Know ``lora_request``'s adapter and hold it on the host (``LoRAManager.add``);
-        ``ValueError`` when LoRA is off or the adapter is bad."""
-        if lora_request is None:
-            return
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, not "
-                             f"{type(lora_request).__name__}")
-        if self.lora is None:
-            raise ValueError("lora_request needs the engine started with enable_lora=True")
-        self.lora.add(lora_request)
-
-    def _mirror_lora(self, msg: tuple) -> None:
-        """A slot change, sent to the tensor-parallel followers (if any) ahead of the steps
-        that use it."""
-        if self.runner.broadcast is not None:
-            self.runner.broadcast(msg)
-
-    def remove_lora(self, name: str) -> bool:
-        """Forget the LoRA adapter called ``name`` (requests running with it finish with
-        it); False if the engine does not know it."""
-        if self.lora is None or name not in self.lora.by_name:
-            return False
-        self.lora.remove(name)
-        return True
-
-    def compile_structured(self, params: SamplingParams) -> Any:
-        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
-        process-wide cache or compiled on its thread pool, waiting at most
-        ``EngineArgs.structured_outputs_compile_timeout_s``; ``ValueError`` naming the field.
-        The server calls it off the engine thread first (``server.prompts``), so the engine
-        thread finds the grammar compiled."""
-        so = params.structured_outputs
-        if so is None:
-            return None
-        if self.args.tensor_parallel_size > 1:
-            raise ValueError("SamplingParams.structured_outputs is not supported with "
-                             "tensor_parallel_size > 1 yet")
-        return compile_for(so, self.args, self.model_config, self.tokenizer)
 
     @staticmethod
     def _matcher(grammar: Any) -> Any:

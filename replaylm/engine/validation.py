@@ -9,6 +9,7 @@ from replaylm.config import EngineArgs
 from replaylm.engine.loading import tokenize_text, too_long_message
 from replaylm.model.config import ModelConfig
 from replaylm.sampling_params import SamplingParams
+from replaylm.structured.compiler import compile_for
 
 #: ``max_model_len`` when neither the settings nor a shorter model limit it.
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -27,8 +28,9 @@ def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
 
 
 class RequestChecks:
-    """Tokenizing and validating prompts: reads only the settings, the model's config and the
-    tokenizer, none of which a step changes, so any thread may call it."""
+    """Tokenizing and validating prompts and compiling their structured-output specs: reads
+    only the settings, the model's config and the tokenizer, none of which a step changes, so
+    any thread may call it."""
 
     args: EngineArgs
     model_config: ModelConfig
@@ -65,6 +67,21 @@ class RequestChecks:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         validate_features(params, self.args, vocab, has_tokenizer=self.tokenizer is not None)
+
+
+    def compile_structured(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (None without one), from the
+        process-wide cache or compiled on its thread pool, waiting at most
+        ``EngineArgs.structured_outputs_compile_timeout_s``; ``ValueError`` naming the field.
+        The server calls it off the engine thread first (``server.prompts``), so the engine
+        thread finds the grammar compiled."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if self.args.tensor_parallel_size > 1:
+            raise ValueError("SamplingParams.structured_outputs is not supported with "
+                             "tensor_parallel_size > 1 yet")
+        return compile_for(so, self.args, self.model_config, self.tokenizer)
 
 
 def validate_features(params: SamplingParams, args: EngineArgs, vocab_size: int,
