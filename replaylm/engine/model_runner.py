@@ -229,7 +229,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
         self.tune_seconds = self._tune_kernels()
         jit_before = self._jit_snapshot()
-        self.graphs.capture()
+        self.graphs.capture(self.arena)
         self.capture_jit = self._jit_snapshot().since(jit_before)
 
     # Steps ---------------------------------------------------------------------------------

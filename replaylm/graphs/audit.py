@@ -76,15 +76,24 @@ def torch_segments(device: torch.device) -> list[tuple[int, int]]:
 
 class AddressBook:
     """Memory the engine knows: ``arena`` regions (reserved range, chunks mapped or not) and
-    torch segments ``known`` (seen at capture) against those ``live`` now."""
+    torch segments ``known`` (seen at capture) against those ``live`` now.
+
+    ``mapped_at_capture``: the arena chunks mapped when the graphs were captured, if known.
+    A word in a segmented region's unmapped tail that was unmapped at capture too is no
+    address a replay has used (a graph holding one would have faulted since): it is an integer
+    that happens to fall in the reserved range (a resizable KV pool reserves gigabytes) and is
+    skipped. Without it, every word in an unmapped tail dangles."""
 
     def __init__(self, arena: Arena | None, known: Iterable[tuple[int, int]] = (),
-                 live: Iterable[tuple[int, int]] = ()) -> None:
+                 live: Iterable[tuple[int, int]] = (),
+                 mapped_at_capture: Iterable[tuple[int, int]] | None = None) -> None:
         self.arena = arena
         self.known = _merged(known)
         self.live = _merged(live)
         self._known_starts = [s for s, _ in self.known]
         self._live_starts = [s for s, _ in self.live]
+        self.at_capture = None if mapped_at_capture is None else _merged(mapped_at_capture)
+        self._at_capture_starts = [s for s, _ in self.at_capture or ()]
 
     @staticmethod
     def _inside(addr: int, ranges: list[tuple[int, int]], starts: list[int]) -> bool:
@@ -101,6 +110,9 @@ class AddressBook:
                 # the whole region must be mapped.
                 region, i, chunk = hit
                 if chunk is None:
+                    if self.at_capture is not None and not self._inside(
+                            addr, self.at_capture, self._at_capture_starts):
+                        return False, None
                     return True, (f"arena region {region.name!r} at offset "
                                   f"{addr - region.ptr}: reserved, not mapped (beyond the "
                                   "mapped part of its segment)")

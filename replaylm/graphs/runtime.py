@@ -129,8 +129,10 @@ class GraphRuntime:
                       if policy.uses_whole else None)
         self.piecewise = (PiecewiseGraphs(model, self.buffers, top, host_attn_lengths)
                           if policy.uses_piecewise else None)
-        # The torch allocator's segments right after capture: what the pointer audit knows.
+        # The torch allocator's segments and the arena chunks mapped right after capture:
+        # what the pointer audit knows.
         self.capture_segments: list[tuple[int, int]] = []
+        self.capture_chunks: list[tuple[int, int]] | None = None
 
     @staticmethod
     def estimate_static_bytes(policy: GraphPolicy, *, vocab_size: int, q_size: int,
@@ -147,7 +149,9 @@ class GraphRuntime:
 
     # Capture -----------------------------------------------------------------------------
 
-    def capture(self) -> None:
+    def capture(self, arena=None) -> None:
+        """Capture every graph of the policy; ``arena``: the engine's address-stable regions
+        (``memory.arena``), whose mapped chunks the pointer audit then knows as captured."""
         jobs = self.policy.capture_order()
         if not jobs:
             return
@@ -184,6 +188,8 @@ class GraphRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.capture_segments = torch_segments(self.device)
+        if arena is not None:
+            self.capture_chunks = arena.mapped_ranges()
         s = self.stats
         s.capture_seconds = time.perf_counter() - start
         s.num_graphs = (len(self.whole.graphs) if self.whole else 0) + (
@@ -204,7 +210,8 @@ class GraphRuntime:
         ``GraphAuditError`` if one holds an address of unmapped or freed memory; ``arena``:
         the engine's address-stable regions (``memory.arena``), if any."""
         live = torch_segments(self.device) if self.device.type == "cuda" else []
-        return audit_graphs(self.captured(), AddressBook(arena, self.capture_segments, live))
+        book = AddressBook(arena, self.capture_segments, live, self.capture_chunks)
+        return audit_graphs(self.captured(), book)
 
     # Steps -------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ view of it), so graphs captured afterwards bake in arena addresses.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,9 +284,7 @@ class Arena:
 
     def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A region holding one zeroed tensor of ``shape``."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
+        n = dtype.itemsize * math.prod(shape)
         t = self.region(name, n).take(dtype, tuple(shape))
         t.zero_()
         return t
@@ -308,9 +307,10 @@ class Arena:
                 return r, -1, None
         return None
 
-    def ranges(self) -> list[tuple[int, int]]:
-        """Every region's reserved ``[start, end)``."""
-        return [(r.ptr, r.ptr + r.size) for r in self.regions.values()]
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """Every mapped chunk's ``[start, end)``."""
+        chunks = (c for r in self.regions.values() for c in r.chunks)
+        return [(c.ptr, c.ptr + c.size) for c in chunks if c.mapped]
 
     # Physical memory -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch
 from replaylm import LLM, SamplingParams
 from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.request import Request
+from replaylm.graphs.audit import AddressBook
 from replaylm.memory.arena import Arena
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -164,6 +165,23 @@ def test_segmented_region_keeps_kept_bytes_zeroes_new_ones_poisons_the_rest():
     region.release()
     with pytest.raises(RuntimeError, match="released"):
         region.fit(10)
+
+
+def test_audit_judges_a_tail_word_only_if_it_was_mapped_at_capture():
+    """A resizable pool reserves far more than it maps: a word in an unmapped tail that was
+    unmapped at capture too is an integer (no replay used it); one mapped at capture and
+    unmapped since dangles."""
+    arena = Arena(torch.device("cpu"))
+    region = arena.segmented("kv", 2, 100, 60)
+    at_capture = arena.mapped_ranges()
+    assert at_capture == [(region.ptr, region.ptr + 60), (region.ptr + 100, region.ptr + 160)]
+    region.fit(20)  # shrunk after capture
+    book = AddressBook(arena, mapped_at_capture=at_capture)
+    assert book.check(region.ptr + 10) == (True, None)  # mapped now
+    assert book.check(region.ptr + 80) == (False, None)  # never mapped since capture
+    known, why = book.check(region.ptr + 150)  # mapped at capture, unmapped since
+    assert known and "not mapped" in why
+    assert AddressBook(arena).check(region.ptr + 80)[1] is not None  # capture unknown
 
 
 def _req(rid: str, n: int) -> Request:

@@ -34,7 +34,8 @@ def test_exec_update_patches_and_restores_every_graph(mode):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[1 + (5 * i + j) % 900 for j in range(9 + 4 * i)] for i in range(4)]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    rows = [measure_graph(g) for g in llm.engine.runner.graphs.captured()]
+    graphs = llm.engine.runner.graphs
+    rows = [measure_graph(g, [graphs.last_token]) for g in graphs.captured()]
     s = summarize(mode, rows, 0.0)
     print(f"\n{mode}: {s}")
     assert rows and all(r["update_result"] == "success" for r in rows), rows
