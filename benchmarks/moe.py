@@ -4,7 +4,7 @@ batch sizes, each path and tile candidate as CUDA-graph replays, in GB/s of expe
 For each expert shape and token count ``T`` it times:
 
 - routing: the torch reference on the device (``ref.route_topk``: softmax, top-k,
-  normalisation) against the fused kernel (``moe_decode.route_topk``);
+  normalisation) against the fused kernel (``moe_route.route_topk``);
 - the experts: the grouped path (``moe.fused_moe``: grouping by expert, then grouped GEMMs)
   and the per-assignment GEMVs (``moe_decode.gemv_moe``) with the tiles ``pick_config``
   picks, and (at ``--sweep-tokens``) each of the GEMVs' two kernels with every tile of
@@ -33,7 +33,7 @@ import time
 import torch
 import triton
 
-from replaylm.kernels import moe, moe_decode, ops, ref
+from replaylm.kernels import moe, moe_decode, moe_route, ops, ref
 from replaylm.kernels.tuner import graph_time_us
 from replaylm.model.config import ModelConfig
 from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
@@ -113,7 +113,7 @@ def bench_tokens(name: str, shape: dict, t: int, dtype: torch.dtype, sweep: bool
         rows.append(r)
 
     row("route:reference", time_calls(lambda n: ref.route_topk(layer.logits[n], k, norm)), 0)
-    row("route:fused", time_calls(lambda n: moe_decode.route_topk(layer.logits[n], k, norm)),
+    row("route:fused", time_calls(lambda n: moe_route.route_topk(layer.logits[n], k, norm)),
         0)
     row("experts:grouped", time_calls(lambda n: moe.fused_moe(*layer.args(n))), both)
     dev = torch.device("cuda")

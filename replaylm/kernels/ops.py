@@ -11,7 +11,7 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
-* :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_decode``).
+* :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_route``).
 * :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
   (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
   grouped kernels (``kernels.moe``) above; the torch reference elsewhere.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.kernels import fp8_linear, moe, moe_decode, ref, skinny, tuner
+from replaylm.kernels import fp8_linear, moe, moe_decode, moe_route, ref, skinny, tuner
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
 from replaylm.kernels.ref import FP8_DTYPE, split_qkv
 
@@ -35,7 +35,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
     """MoE routing (``ref.route_topk``): one fused launch on CUDA."""
     if not router_logits.is_cuda:
         return ref.route_topk(router_logits, top_k, normalize)
-    return moe_decode.route_topk(router_logits, top_k, normalize)
+    return moe_route.route_topk(router_logits, top_k, normalize)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -60,7 +60,7 @@ def shared_combine(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
     on CUDA, gate included."""
     if not x.is_cuda:
         return ref.shared_combine(routed, shared, x, gate_weight)
-    return moe_decode.shared_combine(routed, shared, x, gate_weight)
+    return moe_route.shared_combine(routed, shared, x, gate_weight)
 
 
 def _few_rows(x: torch.Tensor) -> bool:

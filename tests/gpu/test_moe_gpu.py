@@ -104,12 +104,12 @@ def test_fused_routing_matches_reference(shape, t):
     """One launch of softmax, top-k and renormalisation: the reference's weights, and ids
     that are a top-k of the probabilities (bf16 logits may tie; the kernel takes the lower
     id, the reference's order on ties is unspecified)."""
-    from replaylm.kernels import moe_decode, ref
+    from replaylm.kernels import moe_route, ref
 
     e, k, _, _, normalize = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(t)
     logits = (torch.randn(t, e, generator=g, device="cuda") * 2).to(torch.bfloat16)
-    weights, ids = moe_decode.route_topk(logits, k, normalize)
+    weights, ids = moe_route.route_topk(logits, k, normalize)
     ref_w, _ = ref.route_topk(logits, k, normalize)
     torch.testing.assert_close(weights.float(), ref_w.float(), rtol=1e-2, atol=1e-3)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -123,7 +123,7 @@ def test_fused_routing_matches_reference(shape, t):
 def test_gemv_moe_in_a_graph_serves_any_routing(shape, t):
     """The per-assignment GEMVs at the real expert shapes in bf16: close to the torch
     reference, and one capture replays any routing with the bits of an eager run."""
-    from replaylm.kernels import moe_decode, ref
+    from replaylm.kernels import moe_decode, moe_route, ref
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     e, k, h, i, normalize = SHAPES[shape]
@@ -132,7 +132,7 @@ def test_gemv_moe_in_a_graph_serves_any_routing(shape, t):
     w_down = (torch.randn(e, h, i, generator=g, device=dev) * 0.02).to(dt)
     x = torch.randn(t, h, generator=g, device=dev).to(dt)
     logits = torch.randn(t, e, generator=g, device=dev).to(dt)
-    weights, ids = moe_decode.route_topk(logits, k, normalize)
+    weights, ids = moe_route.route_topk(logits, k, normalize)
     expected = ref.fused_moe(x, w_gate_up, w_down, weights, ids)
     got = moe_decode.gemv_moe(x, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
@@ -140,14 +140,14 @@ def test_gemv_moe_in_a_graph_serves_any_routing(shape, t):
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        w_out, i_out = moe_decode.route_topk(logits, k, normalize)
+        w_out, i_out = moe_route.route_topk(logits, k, normalize)
         out = moe_decode.gemv_moe(x, w_gate_up, w_down, w_out, i_out)
     for seed in range(3):
         logits.copy_(torch.randn(t, e, generator=g, device=dev).to(dt))
         if seed == 1:
             logits[:, 5] += 50  # every token on expert 5
         graph.replay()
-        eager_w, eager_i = moe_decode.route_topk(logits, k, normalize)
+        eager_w, eager_i = moe_route.route_topk(logits, k, normalize)
         assert torch.equal(i_out, eager_i) and torch.equal(w_out, eager_w)
         assert torch.equal(out, moe_decode.gemv_moe(x, w_gate_up, w_down, eager_w, eager_i))
         if seed == 1:
@@ -155,13 +155,13 @@ def test_gemv_moe_in_a_graph_serves_any_routing(shape, t):
 
 
 def test_shared_combine_matches_reference():
-    from replaylm.kernels import moe_decode, ref
+    from replaylm.kernels import moe_route, ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     routed, shared, x = (torch.randn(7, 2048, generator=g, device="cuda").to(torch.bfloat16)
                          for _ in range(3))
     gate_weight = (torch.randn(1, 2048, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
-    got = moe_decode.shared_combine(routed, shared, x, gate_weight)
+    got = moe_route.shared_combine(routed, shared, x, gate_weight)
     expected = ref.shared_combine(routed, shared, x, gate_weight)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 

@@ -32,7 +32,8 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.attention_kernel",
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny", "replaylm.kernels.tuner",
-            "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.ops",
+            "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
+            "replaylm.kernels.ops",
             "replaylm.kernels.argmax", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
 
 
@@ -74,6 +75,7 @@ def kernels():
                           skinny=by_name["skinny"], elementwise=by_name["elementwise"],
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
-                          moe_decode=by_name["moe_decode"], lora=by_name["lora"],
+                          moe_decode=by_name["moe_decode"], moe_route=by_name["moe_route"],
+                          lora=by_name["lora"],
                           backend=TritonAttentionBackend())
     undo_shim()

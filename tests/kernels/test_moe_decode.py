@@ -1,5 +1,5 @@
-"""The decode-size MoE kernels (``kernels.moe_decode``) vs the torch references, through the
-Triton interpreter (fp32): fused routing (ties, renormalisation, NaN rows), the
+"""The decode-size MoE kernels (``kernels.moe_decode``, ``kernels.moe_route``) vs the torch
+references, through the Triton interpreter (fp32): fused routing (ties, renormalisation, NaN rows), the
 per-assignment expert GEMVs (random routing, experts without tokens, every token on one
 expert, batch 1, the path switch's threshold, tiles that do not divide the shapes), and the
 shared expert's gated add."""
@@ -26,7 +26,7 @@ def test_route_topk_matches_reference(kernels, t, e, k, normalize):
     g = torch.Generator().manual_seed(t * e + k)
     logits = torch.randn(t, e, generator=g) * 3
     with no_host_sync("moe route"):
-        weights, ids = kernels.moe_decode.route_topk(logits, k, normalize)
+        weights, ids = kernels.moe_route.route_topk(logits, k, normalize)
     ref_w, ref_ids = ref.route_topk(logits, k, normalize)
     assert ids.dtype == torch.int64 and weights.dtype == logits.dtype
     assert torch.equal(ids, ref_ids)
@@ -37,7 +37,7 @@ def test_route_topk_ties_go_to_the_lower_expert(kernels):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],   # all tied (a zero row)
                            [2.0, 2.0, 5.0, 2.0, 2.0, 2.0]])
-    weights, ids = kernels.moe_decode.route_topk(logits, 3, normalize=True)
+    weights, ids = kernels.moe_route.route_topk(logits, 3, normalize=True)
     assert ids.tolist() == [[1, 2, 4], [0, 1, 2], [2, 0, 1]]
     assert torch.equal(ids, _stable_topk(logits, 3))
     ref_w, _ = ref.route_topk(logits, 3, normalize=True)  # equal values whatever ids tie
@@ -49,7 +49,7 @@ def test_route_topk_keeps_nan_rows_on_real_experts(kernels):
     the expert kernels read inside the weights; other rows are unaffected."""
     logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(0))
     logits[1] = float("nan")
-    weights, ids = kernels.moe_decode.route_topk(logits, 4, normalize=False)
+    weights, ids = kernels.moe_route.route_topk(logits, 4, normalize=False)
     assert ((ids >= 0) & (ids < 12)).all()
     ref_w, ref_ids = ref.route_topk(logits[[0, 2]], 4, normalize=False)
     assert torch.equal(ids[[0, 2]], ref_ids)
@@ -58,7 +58,7 @@ def test_route_topk_keeps_nan_rows_on_real_experts(kernels):
 
 def test_route_topk_refuses_more_choices_than_experts(kernels):
     with pytest.raises(ValueError, match="top_k=5"):
-        kernels.moe_decode.route_topk(torch.zeros(1, 4), 5, normalize=False)
+        kernels.moe_route.route_topk(torch.zeros(1, 4), 5, normalize=False)
 
 
 
@@ -122,7 +122,7 @@ def test_shared_combine_matches_reference(kernels):
     routed, shared, x = (torch.randn(t, h, generator=g) for _ in range(3))
     gate_weight = torch.randn(1, h, generator=g) * 0.2
     with no_host_sync("moe combine"):
-        got = kernels.moe_decode.shared_combine(routed, shared, x, gate_weight)
+        got = kernels.moe_route.shared_combine(routed, shared, x, gate_weight)
     torch.testing.assert_close(got, ref.shared_combine(routed, shared, x, gate_weight),
                                rtol=1e-5, atol=1e-6)
 

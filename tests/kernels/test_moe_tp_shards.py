@@ -61,7 +61,7 @@ def test_shared_combine_of_partial_sums_is_the_layer(kernels):
     gate_weight = torch.randn(1, h, generator=g) * 0.2
     routed = [torch.randn(t, h, generator=g) for _ in range(ranks)]
     shared = [torch.randn(t, h, generator=g) for _ in range(ranks)]
-    total = sum(kernels.moe_decode.shared_combine(r, s, x, gate_weight)
+    total = sum(kernels.moe_route.shared_combine(r, s, x, gate_weight)
                 for r, s in zip(routed, shared))
     torch.testing.assert_close(total, ref.shared_combine(sum(routed), sum(shared), x,
                                                          gate_weight), rtol=1e-5, atol=1e-5)
