@@ -15,7 +15,9 @@ values and outputs must not change:
   pinned ahead both only copy; without, the first also pins): seconds, bytes the device got back (its own ``mem_get_info``) against
   the arena's weight + KV bytes, and the graphs captured before and after (never
   recaptured);
-- greedy tokens of one prompt before everything and after everything must be equal.
+- greedy tokens of one prompt before everything and after everything must be equal, and
+  batch-1 decode tok/s (best of 3 runs of 256 tokens) before the updates and after the last
+  wake is reported with its change.
 
 It prints one line per measurement and writes them with ``--json``.
 """
@@ -54,6 +56,18 @@ def greedy(llm: LLM) -> list[int]:
     return llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def decode_tok_s(llm: LLM, tokens: int = 256, repeats: int = 3) -> float:
+    """Batch-1 greedy decode speed: the best of ``repeats`` runs of ``tokens`` new tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return tokens / best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b")
@@ -68,6 +82,11 @@ def main() -> None:
               max_num_seqs=8, sleep_pin_ahead=not ns.no_pin_ahead)
     before = greedy(llm)
     graphs = llm.graph_stats()["num_graphs"]
+    # The host copy is pinned at start-up on a background thread (``sleep_pin_ahead``) or
+    # by the first sleep; later sleeps reuse it (``memory.sleep``).
+    sleeper = llm.engine.runner.sleeper
+    sleeper.wait_host()  # before timing anything: the pinning thread competes for the host
+    speed_before = decode_tok_s(llm)
     cuda_src = {n: t.clone() for n, t in to_hf_names(llm.engine.runner.model).items()}
     rows: dict[str, dict] = {}
     rows["update_cuda"] = timed(partial(llm.update_weights, cuda_src), ns.repeats)
@@ -81,10 +100,6 @@ def main() -> None:
             llm.update_weights(tmp)  # the first read fills the page cache
             rows["update_dir_cached"] = timed(partial(llm.update_weights, tmp), ns.repeats)
     del cpu_src
-    # The host copy is pinned at start-up on a background thread (``sleep_pin_ahead``) or
-    # by the first sleep; later sleeps reuse it (``memory.sleep``).
-    sleeper = llm.engine.runner.sleeper
-    sleeper.wait_host()
     rows["pin_ahead"] = {"seconds": sleeper.pinned_seconds, "on": not ns.no_pin_ahead}
     for cycle in ("first", "again"):
         slept = llm.sleep(level=1)
@@ -96,6 +111,9 @@ def main() -> None:
         rows[f"wake_up_{cycle}"] = {"seconds": woke.seconds, "mapped_bytes": woke.mapped_bytes,
                                     "restored_bytes": woke.restored_bytes}
     after = greedy(llm)
+    speed_after = decode_tok_s(llm)
+    rows["decode_batch1"] = {"tok_s_before": speed_before, "tok_s_after": speed_after,
+                             "change": speed_after / speed_before - 1}
     summary = {"model": ns.model, "rows": rows, "graphs_before": graphs,
                "graphs_after": llm.graph_stats()["num_graphs"], "outputs_equal": before == after}
     for name, row in rows.items():
