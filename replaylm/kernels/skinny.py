@@ -4,9 +4,11 @@ At one to a few tokens a projection is a pure weight stream: every weight byte i
 and used ``M`` times. cuBLAS picks tile shapes made for larger ``M`` and, on the small square
 projections of 0.6B-1B models, reaches under half of the H200's bandwidth. This kernel gives
 each program a strip of ``BLOCK_N`` weight rows and the whole ``K``: it streams the strip in
-``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32. No
-split-K, so there are no atomics and the result is bit-for-bit repeatable (graph replays and
-their eager re-runs agree exactly).
+``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32.
+Split-K tiles (``kernels.skinny_split``) instead give each program one strip over one range
+of ``K`` and add the ranges' fp32 partials in a second launch, in a fixed order. There are no
+atomics either way, so the result is bit-for-bit repeatable (graph replays and their eager
+re-runs agree exactly).
 
 The kernel can also compute its input rows itself, which removes a launch (and its gap in
 the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front

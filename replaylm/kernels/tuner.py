@@ -132,6 +132,7 @@ def kernels_revision() -> str:
                    elementwise._add_rmsnorm_kernel, elementwise._silu_mul_kernel):
         digest.update(inspect.getsource(kernel.fn).encode())
     digest.update(inspect.getsource(fp8_linear).encode())  # FP8 weights' unfused path
+    digest.update(inspect.getsource(pick_tile).encode())
     digest.update(inspect.getsource(_tune).encode())
     return digest.hexdigest()[:12]
 
@@ -298,6 +299,15 @@ def decide_all(run: Callable[[], None], threads: int) -> None:
     run()
 
 
+def pick_tile(timed: Sequence[tuple[tuple[int, ...], float]]) -> tuple[tuple[int, ...], float]:
+    """The tile ``_tune`` keeps among ``(config, µs)`` timings: of those within ``TIE`` of
+    the fastest, a whole-K tile before a split-K one, then the fewest warps, then the
+    fastest."""
+    fastest = min(us for _, us in timed)
+    return min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
+               key=lambda c: (len(c[0]) > 4, c[0][3], c[1]))
+
+
 def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.Tensor], object],
           fused: Callable[[tuple[int, ...], torch.Tensor], object]) -> Decision:
     """(chosen config or None for the unfused path, its µs, the unfused path's µs).
@@ -320,9 +330,7 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     baseline = graph_time_us(unfused, weights)
     timed = [(cfg, graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights))
              for cfg in candidates(m, k, _weight_dtype(key))]
-    fastest = min(us for _, us in timed)
-    best, best_us = min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
-                        key=lambda c: (len(c[0]) > 4, c[0][3], c[1]))
+    best, best_us = pick_tile(timed)
     if best_us > baseline * (1 + TIE):
         best, best_us = None, baseline
     log.info("%s linear %dx%dx%d: unfused %.2f us, best %s %.2f us", kind, m, n, k, baseline,
