@@ -2,10 +2,12 @@
 the numerics against bf16.
 
 ``gemv``: each projection of the named shapes at ``--m`` rows, bf16 weights (cuBLAS, the
-best skinny tile) against FP8 weights (the best FP8 skinny tile, W8A8 ``torch._scaled_mm``,
-dequantize + cuBLAS), as µs and achieved bandwidth over the bytes each reads (FP8: one per
-weight plus four per row for the scales), and the share of the bound: bytes ÷ 4.23 TB/s,
-the H200's measured copy bandwidth. Every kernel is captured 50 times in one CUDA graph and
+skinny tile the tuner keeps) against FP8 weights (the FP8 skinny tile the tuner keeps,
+W8A8 ``torch._scaled_mm``, dequantize + cuBLAS), as µs and achieved bandwidth over the
+bytes each reads (FP8: one per weight plus four per row for the scales), and the share of
+the bound: bytes ÷ 4.23 TB/s, the H200's measured copy bandwidth. The kept tile is
+``tuner.pick_tile``'s among all candidates (``*_config``; five entries: split-K), beside
+the best whole-K tile (``*_whole_k``); a closing table lists them per projection. Every kernel is captured 50 times in one CUDA graph and
 replayed, over weight copies larger than L2 together (``tuner.graph_time_us``), as the
 tuner times them.
 
@@ -34,7 +36,7 @@ import torch
 from replaylm.batch import BLOCK_SIZE, AttentionMetadata
 from replaylm.bench.floor import COPY_BANDWIDTH_BYTES_S
 from replaylm.kernels import fp8_linear, ops, ref, skinny
-from replaylm.kernels.tuner import candidates, graph_time_us, weight_rotation
+from replaylm.kernels.tuner import candidates, graph_time_us, pick_tile, weight_rotation
 from replaylm.model.config import ModelConfig
 from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
 
@@ -62,14 +64,23 @@ def _weights(n: int, k: int, dev: str = "cuda") -> torch.Tensor:
     return torch.empty(n, k, device=dev, dtype=BF16).uniform_(-0.0346, 0.0346)
 
 
-def _best_skinny(x: torch.Tensor, weights: list, scale: torch.Tensor | None,
-                 ) -> tuple[tuple, float]:
+def _skinny_times(x: torch.Tensor, weights: list, scale: torch.Tensor | None,
+                  ) -> dict[tuple, float]:
+    """µs of every skinny tile the tuner times at this shape (split-K tiles included)."""
     dtype = weights[0].dtype if scale is not None else None
-    times = {cfg: time_us(lambda w, cfg=cfg: skinny.skinny_linear(x, w, config=cfg,
-                                                                  scale=scale), weights)
-             for cfg in candidates(x.shape[0], x.shape[1], dtype)}
-    best = min(times, key=times.get)
-    return best, times[best]
+    return {cfg: time_us(lambda w, cfg=cfg: skinny.skinny_linear(x, w, config=cfg,
+                                                                 scale=scale), weights)
+            for cfg in candidates(x.shape[0], x.shape[1], dtype)}
+
+
+def _put_skinny(put, label: str, times: dict[tuple, float], nbytes: int) -> None:
+    """The tile the tuner keeps (``tuner.pick_tile``: its tie rule) as ``label``, and the
+    best whole-K tile (no split-K) as ``label_whole_k``."""
+    cfg, us = pick_tile(list(times.items()))
+    put(label, us, nbytes, cfg)
+    whole = {c: t for c, t in times.items() if len(c) == 4}
+    best = min(whole, key=whole.get)
+    put(f"{label}_whole_k", whole[best], nbytes, best)
 
 
 def gemv(ns: argparse.Namespace) -> list[dict]:
@@ -94,10 +105,8 @@ def gemv(ns: argparse.Namespace) -> list[dict]:
 
                 put("bf16_cublas", time_us(lambda w, x=x: torch.nn.functional.linear(x, w),
                                            ws), bf16_bytes)
-                cfg, us = _best_skinny(x, ws, None)
-                put("bf16_skinny", us, bf16_bytes, cfg)
-                cfg, us = _best_skinny(x, qs, scale)
-                put("fp8_skinny", us, fp8_bytes, cfg)
+                _put_skinny(put, "bf16_skinny", _skinny_times(x, ws, None), bf16_bytes)
+                _put_skinny(put, "fp8_skinny", _skinny_times(x, qs, scale), fp8_bytes)
                 if fp8_linear.w8a8_applies(x, q):
                     put("fp8_w8a8", time_us(lambda w, x=x, s=scale: fp8_linear.w8a8_linear(
                         x, w, s), qs), fp8_bytes)
@@ -108,7 +117,20 @@ def gemv(ns: argparse.Namespace) -> list[dict]:
             del ws, qs
             gc.collect()
             torch.cuda.empty_cache()
+    _summary(rows)
     return rows
+
+
+def _summary(rows: list[dict]) -> None:
+    """Per projection: the FP8 tile the tuner keeps (split-K when it has five entries), its
+    share of the bound, and the best whole-K tile's share."""
+    print(f"{'shape':<12} {'proj':<8} {'m':>2}  {'fp8 chosen tile':<24} {'us':>7} "
+          f"{'share':>6}  {'whole-K tile':<20} {'share':>6}")
+    for r in rows:
+        print(f"{r['shape']:<12} {r['proj']:<8} {r['m']:>2}  {str(r['fp8_skinny_config']):<24} "
+              f"{r['fp8_skinny_us']:>7.2f} {r['fp8_skinny_bound_share']:>6.3f}  "
+              f"{str(r['fp8_skinny_whole_k_config']):<20} "
+              f"{r['fp8_skinny_whole_k_bound_share']:>6.3f}")
 
 
 def many_rows(ns: argparse.Namespace) -> list[dict]:

@@ -4,9 +4,11 @@ At one to a few tokens a projection is a pure weight stream: every weight byte i
 and used ``M`` times. cuBLAS picks tile shapes made for larger ``M`` and, on the small square
 projections of 0.6B-1B models, reaches under half of the H200's bandwidth. This kernel gives
 each program a strip of ``BLOCK_N`` weight rows and the whole ``K``: it streams the strip in
-``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32. No
-split-K, so there are no atomics and the result is bit-for-bit repeatable (graph replays and
-their eager re-runs agree exactly).
+``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32.
+Split-K tiles (``kernels.skinny_split``) instead give each program one strip over one range
+of ``K`` and add the ranges' fp32 partials in a second launch, in a fixed order. There are no
+atomics either way, so the result is bit-for-bit repeatable (graph replays and their eager
+re-runs agree exactly).
 
 The kernel can also compute its input rows itself, which removes a launch (and its gap in
 the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
@@ -36,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.kernels import pdl, ref
+from replaylm.kernels import pdl, ref, skinny_split
 from replaylm.kernels.pdl import wait_for_previous
 
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
@@ -103,73 +105,93 @@ def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, 
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, eps,
-                   stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
+def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N,
+                   eps, stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   CHUNKS: tl.constexpr, WHOLE: tl.constexpr, USE_PDL: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
+                   SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    # Split-K: program (pid, s) takes the CHUNKS chunks from column s * CHUNKS * BLOCK_K on
+    # (chunks past K are masked off); otherwise one program streams the whole K.
+    if SPLIT_K > 1:
+        k_base = tl.program_id(1) * (CHUNKS * BLOCK_K)
+        k_end = tl.minimum(k_base + CHUNKS * BLOCK_K, K)
+    else:
+        k_base = 0
+        k_end = K
     # Weights are never written by an earlier kernel, so a strip of up to MAX_UNROLL chunks
     # (WHOLE) is loaded whole before the PDL wait: with PDL the weight stream then overlaps the
     # previous kernel, and only the (tiny) input rows are read after it. A longer strip
     # loads its first chunk early and streams the rest in a loop (unrolling 16-56 chunks
     # multiplies compile and tuning time).
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
-    w0 = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    w0 = _weight_chunk(w_ptrs, k_base, n_mask, cols, K, EVEN_N, EVEN_K)
     w1 = w0  # placeholders; chunks past the strip's end are never used
     w2 = w0
     w3 = w0
     if WHOLE and CHUNKS > 1:
-        w1 = _weight_chunk(w_ptrs, BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+        w1 = _weight_chunk(w_ptrs, k_base + BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
     if WHOLE and CHUNKS > 2:
-        w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+        w2 = _weight_chunk(w_ptrs, k_base + 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
     if WHOLE and CHUNKS > 3:
-        w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+        w3 = _weight_chunk(w_ptrs, k_base + 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
     wait_for_previous(USE_PDL)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
     out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
-    store_residual = pid == 0  # one program writes the new residual
+    # One program per K range writes the new residual (each split owns its columns).
+    store_residual = pid == 0
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc, sq = _accumulate(acc, sq, w0, 0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
+    acc, sq = _accumulate(acc, sq, w0, k_base, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
                           store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
     if WHOLE:
         if CHUNKS > 1:
-            acc, sq = _accumulate(acc, sq, w1, BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w1, k_base + BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
         if CHUNKS > 2:
-            acc, sq = _accumulate(acc, sq, w2, 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w2, k_base + 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
         if CHUNKS > 3:
-            acc, sq = _accumulate(acc, sq, w3, 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w3, k_base + 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
     else:
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(k_base + BLOCK_K, k_end, BLOCK_K):
             w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
             acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
                                   cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
                                   EVEN_K)
     out = tl.sum(acc, axis=2)  # [BM, BN]
-    if PROLOGUE == 1:
-        # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the row
-        # scale leaves the sum, so one pass serves both the norm and the product.
-        out = out * tl.rsqrt(sq / K + eps)[:, None]
-    if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
-        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SPLIT_K > 1:
+        # fp32 partial sums (and, for the norm, the range's sums of squares) for
+        # ``_split_reduce_kernel``, which finishes the epilogue below.
+        split = tl.program_id(1)
+        tl.store(part_ptr + (split * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :], out,
+                 mask=n_mask[None, :])
+        if PROLOGUE == 1:
+            if pid == 0:
+                tl.store(part_ptr + SPLIT_K * BLOCK_M * N + split * BLOCK_M + offs_m, sq)
+    else:
+        if PROLOGUE == 1:
+            # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the
+            # row scale leaves the sum, so one pass serves both the norm and the product.
+            out = out * tl.rsqrt(sq / K + eps)[:, None]
+        if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
+            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 #: Tile candidates (BLOCK_N, BLOCK_K, num_warps) per row-block size; ``linear`` times each.
@@ -192,14 +214,23 @@ def _candidates(weight_dtype: torch.dtype | None) -> dict[int, list[tuple[int, i
 
 
 def candidate_configs(m: int, k: int, weight_dtype: torch.dtype | None = None,
-                      ) -> list[tuple[int, int, int, int]]:
-    """Every tile ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` the tuner times for ``m`` rows,
-    reduction length ``k`` and weights of ``weight_dtype`` (``CANDIDATES``, or
+                      ) -> list[tuple[int, ...]]:
+    """Every tile the tuner times for ``m`` rows, reduction length ``k`` and weights of
+    ``weight_dtype``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` from ``CANDIDATES`` (or
     ``CANDIDATES_FP8`` for one-byte weights), with ``BLOCK_K`` capped at ``k``'s next power
-    of two."""
+    of two; then the split-K tiles ``(..., SPLIT_K)`` of ``skinny_split`` whose ``k`` holds
+    at least two ranges (``SPLIT_K``: the ranges ``split_chunks`` cuts)."""
     bm = triton.next_power_of_2(m)
-    return [(bm, bn, min(bk, triton.next_power_of_2(k)), warps)
-            for bn, bk, warps in _candidates(weight_dtype)[bm]]
+    kp = triton.next_power_of_2(k)
+    tiles: list[tuple[int, ...]] = [(bm, bn, min(bk, kp), warps)
+                                    for bn, bk, warps in _candidates(weight_dtype)[bm]]
+    fp8 = weight_dtype is not None and weight_dtype.itemsize == 1
+    split = skinny_split.SPLIT_CANDIDATES_FP8 if fp8 else skinny_split.SPLIT_CANDIDATES
+    for bn, bk, warps, splits in split[bm]:
+        ranges = skinny_split.split_chunks(k, bk, splits)[1]
+        if ranges > 1:
+            tiles.append((bm, bn, bk, warps, ranges))
+    return tiles
 
 
 def pick_config(m: int, n: int, k: int, weight_dtype: torch.dtype | None = None,
@@ -228,7 +259,7 @@ def compile_only() -> Iterator[None]:
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            config: tuple[int, int, int, int] | None, residual: torch.Tensor | None = None,
+            config: tuple[int, ...] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,7 +267,9 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
     ``y`` goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor.
     ``scale``: the float32 per-row scales ``[N]`` of an FP8 ``weight``, applied to each sum
-    in the epilogue (the weights are converted to fp32 in registers as they stream)."""
+    in the epilogue (the weights are converted to fp32 in registers as they stream).
+    ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth entry
+    ``SPLIT_K`` > 1 a split-K launch (``skinny_split``)."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -255,30 +288,40 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if residual.stride(1) != 1:
             residual = residual.contiguous()
         new_res = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps = config or pick_config(m, n, k, weight.dtype)
-    chunks = triton.cdiv(k, bk)
+    bm, bn, bk, warps, *rest = config or pick_config(m, n, k, weight.dtype)
+    if bm < m:
+        raise ValueError(f"skinny tile {config} has BLOCK_M={bm} < {m} rows")
+    chunks, splits = triton.cdiv(k, bk), 1
+    if rest and rest[0] > 1:
+        chunks, splits = skinny_split.split_chunks(k, bk, rest[0])
+    part = skinny_split.partials(splits, bm, n, x.device) if splits > 1 else y
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
-    grid = (triton.cdiv(n, bn),)
-    kernel = (functools.partial(_skinny_kernel.warmup, grid=grid) if _COMPILE_ONLY.get()
+    grid = (triton.cdiv(n, bn), splits)
+    compile_only = _COMPILE_ONLY.get()
+    kernel = (functools.partial(_skinny_kernel.warmup, grid=grid) if compile_only
               else _skinny_kernel[grid])
     kernel(
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
-        scale if scale is not None else weight, bias if bias is not None else weight, y, m, n,
-        eps,
+        scale if scale is not None else weight, bias if bias is not None else weight, y, part,
+        m, n, eps,
         x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),
         K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0,
-        CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, USE_PDL=pdl.ENABLED, num_warps=warps,
-        **pdl.LAUNCH,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0,
+        EVEN_K=k % bk == 0 and chunks * splits * bk == k,
+        CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, SPLIT_K=splits, USE_PDL=pdl.ENABLED,
+        num_warps=warps, **pdl.LAUNCH,
     )
+    if splits > 1:
+        skinny_split.reduce_splits(part, scale, bias, y, m, k, splits, bm,
+                                   mode == PROLOGUE_NORM, eps, compile_only)
     return y, new_res
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None,
+                  config: tuple[int, ...] | None = None,
                   out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                   ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``.
@@ -291,7 +334,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: tuple[int, int, int, int] | None = None,
+                       config: tuple[int, ...] | None = None,
                        scale: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual`` (``x`` when None), then
@@ -307,7 +350,7 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
 
 
 def skinny_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                       config: tuple[int, int, int, int] | None = None,
+                       config: tuple[int, ...] | None = None,
                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T`` for ``gate_up`` ``[M, 2K]`` (gate first), in one
     kernel (``M <= MAX_M``)."""

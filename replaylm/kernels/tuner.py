@@ -37,7 +37,7 @@ import torch
 import triton
 
 from replaylm.capture import graph_replay_us
-from replaylm.kernels import elementwise, fp8_linear, ref, skinny
+from replaylm.kernels import elementwise, fp8_linear, ref, skinny, skinny_split
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
@@ -118,18 +118,21 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.
 
 @functools.cache
 def kernels_revision() -> str:
-    """A digest of what the decisions depend on: the Triton sources of the skinny kernel and
-    of the separate norm and SiLU·mul kernels the fused prologues are timed against, the
+    """A digest of what the decisions depend on: the Triton sources of the skinny kernel (and
+    its split-K reduction) and of the separate norm and SiLU·mul kernels the fused prologues are timed against, the
     FP8 weights' unfused path (``fp8_linear``), the tile candidates and the decision rule
     (``_tune``). An edited kernel or rule invalidates
     the decisions cached on disk; an edit of other host code or docs does not."""
     digest = hashlib.sha1(repr((skinny.CANDIDATES, skinny.CANDIDATES_FP8, skinny.MAX_UNROLL,
-                                skinny.MAX_M, TIE)).encode())
+                                skinny.MAX_M, skinny_split.SPLIT_CANDIDATES,
+                                skinny_split.SPLIT_CANDIDATES_FP8,
+                                skinny_split.REDUCE_BLOCK_N, TIE)).encode())
     for kernel in (skinny._weight_chunk, skinny._input_chunk, skinny._accumulate,
-                   skinny._skinny_kernel, elementwise._add_rmsnorm_kernel,
-                   elementwise._silu_mul_kernel):
+                   skinny._skinny_kernel, skinny_split._reduce_kernel,
+                   elementwise._add_rmsnorm_kernel, elementwise._silu_mul_kernel):
         digest.update(inspect.getsource(kernel.fn).encode())
     digest.update(inspect.getsource(fp8_linear).encode())  # FP8 weights' unfused path
+    digest.update(inspect.getsource(pick_tile).encode())
     digest.update(inspect.getsource(_tune).encode())
     return digest.hexdigest()[:12]
 
@@ -174,7 +177,7 @@ def _weight_dtype(key: tuple) -> torch.dtype | None:
 
 
 def candidates(m: int, k: int, weight_dtype: torch.dtype | None = None,
-               ) -> list[tuple[int, int, int, int]]:
+               ) -> list[tuple[int, ...]]:
     """The tiles timed for ``m`` rows, reduction length ``k`` and weights of
     ``weight_dtype``: ``skinny.candidate_configs`` without repeats. Capping ``BLOCK_K`` at ``k`` turns some candidates into copies of
     others (at ``k`` = 1024 the 2x2048 tile becomes the 2x1024 one); a copy is the same
@@ -183,7 +186,7 @@ def candidates(m: int, k: int, weight_dtype: torch.dtype | None = None,
 
 
 def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], object],
-           fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]):
+           fused: Callable[[tuple[int, ...], torch.Tensor], object]):
     """The skinny-kernel config to use for ``key`` = ``(prologue, m, n, k, dtype, bias)`` (the
     prologue marked ``-fp8`` for FP8 weights: ``kernels.ops``), or
     None when ``unfused`` (cuBLAS, or the separate prologue op plus the projection) is faster.
@@ -224,8 +227,8 @@ def choose(key: tuple, weight: torch.Tensor, unfused: Callable[[torch.Tensor], o
     return choice[0]
 
 
-def _compile_ahead(fused: Callable[[tuple[int, int, int, int], torch.Tensor], object],
-                   configs: Sequence[tuple[int, int, int, int]], weight: torch.Tensor) -> None:
+def _compile_ahead(fused: Callable[[tuple[int, ...], torch.Tensor], object],
+                   configs: Sequence[tuple[int, ...]], weight: torch.Tensor) -> None:
     """Submit the compiles of ``fused`` at each of ``configs`` to the precompile pool."""
     with skinny.compile_only():
         for config in configs:
@@ -296,14 +299,25 @@ def decide_all(run: Callable[[], None], threads: int) -> None:
     run()
 
 
+def pick_tile(timed: Sequence[tuple[tuple[int, ...], float]]) -> tuple[tuple[int, ...], float]:
+    """The tile ``_tune`` keeps among ``(config, µs)`` timings: of those within ``TIE`` of
+    the fastest, a whole-K tile before a split-K one, then the fewest warps, then the
+    fastest."""
+    fastest = min(us for _, us in timed)
+    return min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
+               key=lambda c: (len(c[0]) > 4, c[0][3], c[1]))
+
+
 def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.Tensor], object],
-          fused: Callable[[tuple[int, int, int, int], torch.Tensor], object]) -> Decision:
+          fused: Callable[[tuple[int, ...], torch.Tensor], object]) -> Decision:
     """(chosen config or None for the unfused path, its µs, the unfused path's µs).
 
     Timings within ``TIE`` of each other count as equal, and the lighter choice wins, for
     what timing one shape alone cannot see:
 
-    - among tiles, the one with the fewest warps: in a decode step a projection's programs
+    - among tiles, one without split-K (one launch, where split-K adds its reduction's:
+      one graph node fewer, as against the unfused path below);
+    - then the one with the fewest warps: in a decode step a projection's programs
       launch early (PDL) into whatever SM room the kernel before leaves, where lighter
       programs fit better (Qwen3-0.6B's o_proj on the H200: 2.17 µs alone with 4 warps
       against 2.21 µs with 8, yet batch-1 decode is about 1% faster with the 4-warp tile);
@@ -316,9 +330,7 @@ def _tune(key: tuple, weights: Sequence[torch.Tensor], unfused: Callable[[torch.
     baseline = graph_time_us(unfused, weights)
     timed = [(cfg, graph_time_us(lambda w, cfg=cfg: fused(cfg, w), weights))
              for cfg in candidates(m, k, _weight_dtype(key))]
-    fastest = min(us for _, us in timed)
-    best, best_us = min(((cfg, us) for cfg, us in timed if us <= fastest * (1 + TIE)),
-                        key=lambda c: (c[0][3], c[1]))
+    best, best_us = pick_tile(timed)
     if best_us > baseline * (1 + TIE):
         best, best_us = None, baseline
     log.info("%s linear %dx%dx%d: unfused %.2f us, best %s %.2f us", kind, m, n, k, baseline,

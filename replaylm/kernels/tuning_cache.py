@@ -30,9 +30,9 @@ from replaylm.kernels import pdl
 
 log = logging.getLogger(__name__)
 
-#: A tuner decision: (skinny-kernel config, or None for the unfused path; its µs; the
+#: A tuner decision: (skinny-kernel config (``skinny._launch``), or None for the unfused path; its µs; the
 #: unfused path's µs).
-Decision = tuple[tuple[int, int, int, int] | None, float, float]
+Decision = tuple[tuple[int, ...] | None, float, float]
 
 #: Where the shipped tables live (package data).
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"

@@ -1,5 +1,6 @@
 """FP8 weights on the GPU: the skinny kernel's FP8 variant against its reference at every
-shipped projection shape (Llama 3.2 1B and Llama 3 8B), the tuned dispatch, W8A8 and the
+shipped projection shape (Llama 3.2 1B and Llama 3 8B), its split-K tiles (prologues and a
+graph replay included), the tuned dispatch, W8A8 and the
 dequantize path above the skinny rows, the MoE kernels with FP8 experts, and the FP8 engine
 in graph modes with padding poisoned and every replay checked bit for bit.
 
@@ -97,6 +98,77 @@ def test_skinny_fp8_silu_linear(m, n, k):
     torch.testing.assert_close(ops.silu_linear(gate_up, w, scale=scale), want, atol=2e-2,
                                rtol=2e-2)
     assert ("silu-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+
+
+def _split_tiles(m: int, k: int, dtype: torch.dtype | None) -> list[tuple[int, ...]]:
+    return [c for c in tuner.candidates(m, k, dtype) if len(c) == 5]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k", SHAPES_8B[:4])
+def test_split_k_tiles_fp8_at_8b_shapes(m, n, k):
+    """Every split-K tile the tuner times, forced at Llama 3 8B's projections: the plain
+    product against the reference, bit-repeatable (partials summed in a fixed order)."""
+    w, scale = _fp8_weight(n, k, n + k)
+    x = torch.randn(m, k, device=DEV, dtype=BF16, generator=torch.Generator(device=DEV)
+                    .manual_seed(m))
+    want = _want(x, w, scale)
+    tiles = _split_tiles(m, k, ref.FP8_DTYPE)
+    assert tiles, (m, k)
+    for cfg in tiles:
+        got = skinny.skinny_linear(x, w, config=cfg, scale=scale)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"tile {cfg}")
+        assert torch.equal(got, skinny.skinny_linear(x, w, config=cfg, scale=scale))
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_split_k_prologues_fp8(m):
+    """Split-K with the RMSNorm prologue (qkv, gate_up shapes: the sum of squares split
+    with K) and the SiLU·mul prologue (down), every split tile, against the references."""
+    g = torch.Generator(device=DEV).manual_seed(m)
+    for n, k in (SHAPES_8B[0], SHAPES_8B[2]):
+        x = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
+        res = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
+        nw = torch.rand(k, device=DEV, dtype=BF16, generator=g) + 0.5
+        w, scale = _fp8_weight(n, k, n)
+        normed, want_res = ref.add_rms_norm(x, res, nw, 1e-6)
+        want = _want(normed, w, scale)
+        for cfg in _split_tiles(m, k, ref.FP8_DTYPE):
+            y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, config=cfg,
+                                                   scale=scale)
+            assert torch.equal(new_res, want_res), cfg
+            torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2, msg=f"tile {cfg}")
+    n, k = SHAPES_8B[3]
+    gate_up = torch.randn(m, 2 * k, device=DEV, dtype=BF16, generator=g)
+    w, scale = _fp8_weight(n, k, k)
+    want = _want(ref.silu_and_mul(gate_up), w, scale)
+    for cfg in _split_tiles(m, k, ref.FP8_DTYPE):
+        got = skinny.skinny_silu_linear(gate_up, w, config=cfg, scale=scale)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"tile {cfg}")
+
+
+def test_split_k_graph_replay_matches_eager():
+    """A split-K launch (partials from the capture's pool) replayed from a CUDA graph
+    equals its eager run bit for bit, after the inputs change in place."""
+    n, k = SHAPES_8B[1]
+    w, scale = _fp8_weight(n, k, 11)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.randn(2, k, device=DEV, dtype=BF16, generator=g)
+    res = torch.randn(2, k, device=DEV, dtype=BF16, generator=g)
+    nw = torch.rand(k, device=DEV, dtype=BF16, generator=g) + 0.5
+    for cfg in _split_tiles(2, k, ref.FP8_DTYPE):
+        skinny.skinny_norm_linear(x, res, nw, 1e-6, w, config=cfg, scale=scale)  # compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, config=cfg,
+                                                   scale=scale)
+        x.copy_(torch.randn(2, k, device=DEV, dtype=BF16, generator=g))
+        graph.replay()
+        want_y, want_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, config=cfg,
+                                                     scale=scale)
+        torch.cuda.synchronize()
+        assert torch.equal(y, want_y) and torch.equal(new_res, want_res), cfg
 
 
 def test_fp32_activations_stay_fp32():

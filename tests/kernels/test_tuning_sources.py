@@ -222,7 +222,8 @@ def test_candidates_drop_copies_made_by_capping_block_k(kernels):
     tuner, skinny = kernels.tuner, kernels.skinny
     raw = skinny.candidate_configs(1, 1024)
     got = tuner.candidates(1, 1024)
-    assert len(raw) == len(skinny.CANDIDATES[1]) and len(got) == len(raw) - 1
+    whole_k = [c for c in raw if len(c) == 4]  # then the split-K tiles with two ranges or more
+    assert len(whole_k) == len(skinny.CANDIDATES[1]) and len(got) == len(raw) - 1
     assert set(got) == set(raw) and (1, 4, 1024, 8) in got
     assert got == [c for i, c in enumerate(raw) if c not in raw[:i]]
     for m in (1, 2, 4, 8):
