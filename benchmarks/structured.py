@@ -1,6 +1,8 @@
-"""Structured outputs against none, on one engine (a CUDA GPU; ``--tiny`` runs on a CPU).
+"""Structured outputs against none (a CUDA GPU; ``--tiny`` runs on a CPU), on one engine or
+over ``--tensor-parallel-size`` / ``--data-parallel-size`` GPUs.
 
     PYTHONPATH=. python benchmarks/structured.py --model llama3.2-1b --json so.json
+    PYTHONPATH=. python benchmarks/structured.py --model llama3-8b --tensor-parallel-size 2
 
 The named shape runs with random weights and a byte-level BPE tokenizer of the model's whole
 vocabulary (128,256 entries for Llama 3) built here: the 256 byte tokens, then merges of
@@ -167,6 +169,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="CPU check: built-in default model")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     kw: dict = {}
@@ -180,6 +184,8 @@ def main() -> None:
         tok_dir = Path(tempfile.mkdtemp(prefix="so_tok_"))
         byte_level_tokenizer(cfg.vocab_size, tok_dir)
         kw = {"tokenizer": str(tok_dir)}
+    kw |= {"tensor_parallel_size": ns.tensor_parallel_size,
+           "data_parallel_size": ns.data_parallel_size}
     llm = LLM(model, **kw)
     rows = []
     sizes = [int(b) for b in ns.batch_sizes.split(",")]
@@ -215,8 +221,11 @@ def main() -> None:
     if ns.json:
         Path(ns.json).write_text(json.dumps({
             "model": model, "max_tokens": ns.max_tokens, "rows": rows,
+            "tensor_parallel_size": ns.tensor_parallel_size,
+            "data_parallel_size": ns.data_parallel_size,
             "ttft_plain_s": t_plain, "ttft_cached_schema_s": t_cached, "stall": stall,
         }, indent=2))
+    llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ it checked, ``("update_weights", source)``, and ``("sleep", level)``, ``("wake_u
 ``("resize_kv_cache", num_blocks)`` after the leader's own; its LoRA slot changes,
 ``("lora_load", slot, request)`` and ``("lora_clear", slot)``, before the steps that use
 them); a follower runs the same step on its
-shard (same dispatch, same collectives, same replicated sampling) and answers nothing, so a
+shard (same dispatch, same collectives, same replicated sampling, or the leader's tokens
+where only the leader can sample: ``StepInput.tokens_from_leader``) and answers nothing, so a
 step costs the leader one send per follower. Followers answer the driver only at start-up or
 with a fault; the driver watches every process, so a follower that dies is named at once.
 """

@@ -72,7 +72,9 @@ class ModelRunner(RunnerStartup, KVSizing):
     it turns a verify step into that drafter's acceptance rule (``StepSampler.run``). Under
     tensor parallel the drafter lives on the leader alone: the leader applies the rule and
     broadcasts the kept tokens to the group, so every rank's ``last_token`` and penalty
-    counts stay the same.
+    counts stay the same. Structured outputs work the same way: the leader alone holds the
+    grammars and applies their masks, and broadcasts the tokens of every step while a mask
+    is on (``StepInput.tokens_from_leader``); a follower's mask flags stay off.
 
     With ``tp`` (tensor parallel) it holds one rank's shard (``cfg`` is then the shard's
     shapes) and every rank of the group runs the same steps: the leader's ``execute`` hands
@@ -262,12 +264,14 @@ class ModelRunner(RunnerStartup, KVSizing):
         if self.broadcast is None:
             return self._launch(host, out.newly_slotted, prompt_plan(out, host, self.device),
                                 agree, accept)
-        step = StepInput.of(out, host, accept is not None)
+        # Structured-output masks are the leader's alone (``on_launch`` filled them): while a
+        # slot's flag is on, the group takes the leader's tokens.
+        step = StepInput.of(out, host, accept is not None or self.buffers.bitmask_any)
         self.broadcast(("step", step))
         plan = step.plan
         if plan is not None:  # the leader's plan keeps the requests (its output spans)
             plan = prompt_plan(out, host, self.device)
-        if accept is not None and self.tp is not None:
+        if step.tokens_from_leader and self.tp is not None:
             accept = sent_to_group(accept, self.tp)
         return self._launch(host, out.newly_slotted, plan, agree, accept)
 
@@ -280,7 +284,7 @@ class ModelRunner(RunnerStartup, KVSizing):
             plan = dataclasses.replace(plan, rows=plan.rows.to(self.device),
                                        targets=plan.targets.to(self.device))
         accept = None
-        if step.accept_from_leader and self.tp is not None:
+        if step.tokens_from_leader and self.tp is not None:
             accept = from_leader(self.tp)
         return self._launch(step.host, step.admitted, plan, agree, accept)
 

@@ -1,5 +1,5 @@
-"""What a tensor-parallel leader sends its group each step (``StepInput``), and how a
-verify's acceptance rule crosses the group."""
+"""What a tensor-parallel leader sends its group each step (``StepInput``), and how the
+leader's tokens reach the group when only the leader can sample them."""
 
 from __future__ import annotations
 
@@ -23,16 +23,19 @@ class StepInput:
     """One step as a tensor-parallel leader sends it to the other ranks of its group: the
     host batch (a verify's layout included: drafts, ``draft_next`` / ``seg_start``, padding
     rows, penalty rows), the sampling settings of newly slotted requests, the prompt-logprob
-    rows (host tensors, without the requests), and whether the leader's drafter replaces
-    verify samples (``accept_from_leader``: the ranks then take the leader's tokens)."""
+    rows (host tensors, without the requests), and whether the ranks take the leader's sampled
+    tokens in place of their own (``tokens_from_leader``): when the leader's drafter replaces
+    verify samples (its proposals' distributions live on the leader alone) or when a
+    structured-output mask applies to the step (the grammars and their masks live on the
+    leader alone, ``structured.masks``)."""
 
     host: HostBatch
     admitted: list[SimpleNamespace]
     plan: PromptLogprobPlan | None
-    accept_from_leader: bool = False
+    tokens_from_leader: bool = False
 
     @staticmethod
-    def of(out: SchedulerOutput, host: HostBatch, accept_from_leader: bool = False
+    def of(out: SchedulerOutput, host: HostBatch, tokens_from_leader: bool = False
            ) -> StepInput:
         admitted = [SimpleNamespace(slot=r.slot, sampling_params=r.sampling_params, seed=r.seed,
                                     prompt_token_ids=r.prompt_token_ids,
@@ -42,17 +45,20 @@ class StepInput:
         plan = prompt_plan(out, host, torch.device("cpu"))
         if plan is not None:
             plan = dataclasses.replace(plan, spans=[])
-        return StepInput(host, admitted, plan, accept_from_leader)
+        return StepInput(host, admitted, plan, tokens_from_leader)
 
 
 
-def sent_to_group(accept: Accept, tp: TensorParallel) -> Accept:
-    """The leader's ``accept``, its kept tokens then broadcast to the tensor-parallel group."""
+def sent_to_group(accept: Accept | None, tp: TensorParallel) -> Accept:
+    """The leader's tokens, broadcast to the tensor-parallel group: those its ``accept`` kept,
+    or (None) those it sampled. One ``[L]`` int64 broadcast, outside the graphs."""
+    if accept is None:
+        return lambda logits, tokens: tp.broadcast(tokens.contiguous())
     return lambda logits, tokens: tp.broadcast(accept(logits, tokens).contiguous())
 
 
 def from_leader(tp: TensorParallel) -> Accept:
-    """A follower's acceptance: the tokens the leader's rule kept (``sent_to_group``)."""
+    """A follower's tokens: the leader's (``sent_to_group``), in place of its own samples."""
     return lambda logits, tokens: tp.broadcast(torch.empty_like(tokens))
 
 

@@ -78,9 +78,6 @@ class RequestChecks:
         so = params.structured_outputs
         if so is None:
             return None
-        if self.args.tensor_parallel_size > 1:
-            raise ValueError("SamplingParams.structured_outputs is not supported with "
-                             "tensor_parallel_size > 1 yet")
         return compile_for(so, self.args, self.model_config, self.tokenizer)
 
 

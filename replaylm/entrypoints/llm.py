@@ -179,7 +179,8 @@ class LLM:
 
         ``lora_request``: the LoRA adapter every prompt runs with, or a list of one per
         prompt (None: the base model); needs ``enable_lora=True``. Every prompt (and
-        adapter) is validated before any is queued, so one bad prompt raises ``ValueError``
+        adapter) is validated before any is queued, and a structured-output spec that does
+        not compile unqueues those before it, so one bad prompt raises ``ValueError``
         without leaving the others half-run.
         """
         if self.engine.is_sleeping():
@@ -197,9 +198,14 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from e
         outputs: dict[str, RequestOutput] = {}
         order = []
-        for prompt, ids, sp, lora in zip(prompt_list, token_ids, params, loras):
+        for i, (prompt, ids, sp, lora) in enumerate(zip(prompt_list, token_ids, params, loras)):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, sp, lora_request=lora)
+            try:  # a structured-output spec compiles here: it may still be refused
+                self.engine.add_request(rid, ids, sp, lora_request=lora)
+            except ValueError as e:
+                for queued in order:
+                    self.engine.abort(queued)
+                raise ValueError(f"prompt {i}: {e}") from e
             outputs[rid] = RequestOutput(
                 rid, prompt if isinstance(prompt, str) else None, ids,
                 [CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None

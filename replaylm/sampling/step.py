@@ -58,8 +58,9 @@ class SampleRows:
     penalties count as earlier outputs. ``accept``, when given, maps (processed logits,
     sampled tokens) to the tokens the step keeps: a drafter whose proposals carry a
     distribution replaces its draft rows' samples by its rejection sampling
-    (``engine.draft_model``), and a benchmark drafter imposes which drafts are accepted
-    (``bench.spec_drafters.ControlledDrafter``).
+    (``engine.draft_model``), a benchmark drafter imposes which drafts are accepted
+    (``bench.spec_drafters.ControlledDrafter``), and a tensor-parallel follower takes its
+    leader's tokens (``engine.step_input``: a draft model's, or a structured-output step's).
     """
 
     logits: torch.Tensor

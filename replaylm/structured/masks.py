@@ -27,6 +27,13 @@ steps sample one row each, so one mask row per slot suffices. A verify step's ac
 would all be accepted here (``advance`` walks every emitted token), but drafting under a
 grammar would need per-row masks, which this module does not build.
 
+**Tensor and data parallelism.** Each data-parallel rank's engine has its own
+``StructuredOutputs``. In a tensor-parallel group only the leader's engine has one: the
+followers' flags stay off, and while any flag is on here (``StaticBuffers.bitmask_any``) the
+leader's runner sends the group its sampled tokens in place of their own
+(``StepInput.tokens_from_leader``), which costs ``[L]`` int64 per step where the masks would
+cost ``ceil(V/32)`` int32 per constrained row.
+
 **Termination.** When the grammar is complete only the stop tokens (the model's EOS ids) are
 allowed; accepting one terminates the matcher. A request whose matcher terminated is finished
 (``finished_by_grammar``) even when EOS would not stop it (``ignore_eos``).
