@@ -115,8 +115,8 @@ def test_lora_add_picks_by_rows(kernels, monkeypatch):
         calls = []
         for name in ("lora_fused", "lora_shrink"):
             real = getattr(lora, name)
-            monkeypatch.setattr(lora, name, lambda *args, _real=real, _name=name, **kw: (
-                calls.append(_name), _real(*args, **kw))[1])
+            monkeypatch.setattr(lora, name, lambda *args, _real=real, _name=name, _calls=calls,
+                                **kw: (_calls.append(_name), _real(*args, **kw))[1])
         want = ref.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8),
                             norm_weight=torch.ones(24), eps=1e-6)
         got = lora.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8),
