@@ -99,7 +99,7 @@ def _shrink_kernel(x_ptr, nw_ptr, a_ptr, s_ptr, slots_ptr, ranks_ptr, in_dim, ep
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot)
         if r0 < rank:
-            rows = row + tl.arange(0, 1)
+            rows = row + tl.zeros([1], dtype=tl.int64)  # this program's row, as a block
             row_ok = rows >= 0
             inv_rms = tl.full([1], 1.0, tl.float32)
             if PROLOGUE == 1:
