@@ -9,7 +9,7 @@ one after the other: the base model without LoRA, and the same with ``enable_lor
 of rank ``--rank``). Measured, every figure the best of ``--repeats``:
 
 - output tok/s at batch 1: the base engine; the LoRA engine with a base-model request (the
-  cost of the unfused norm/SiLU paths alone) and with one adapter;
+  cost of the LoRA launches that return at once) and with one adapter;
 - output tok/s of ``--batch`` concurrent requests: the base engine, and the LoRA engine with
   the requests spread over 4 adapters;
 - graph capture seconds and graph memory (MiB) of both engines, and their ratio;

@@ -201,16 +201,31 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     return out
 
 
+def lora_input(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               silu: bool = False) -> torch.Tensor:
+    """The rows a LoRA shrink reads, from a projection's raw input ``x``: with
+    ``norm_weight`` the RMSNorm of ``x`` (the new residual of a fused residual add +
+    RMSNorm + projection), with ``silu`` SiLU(gate)·up of ``x`` = gate | up (down_proj's
+    ``gate_up``), else ``x`` itself. The same roundings as the separate ops."""
+    if norm_weight is not None:
+        return rms_norm(x, norm_weight, eps)
+    return silu_and_mul(x) if silu else x
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                ranks: torch.Tensor, num_segments: int = 1) -> torch.Tensor:
-    """The first half of a LoRA delta: row ``t`` of the result is ``x[t] @ a[slots[t]]^T``
+                ranks: torch.Tensor, num_segments: int = 1,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                silu: bool = False) -> torch.Tensor:
+    """The first half of a LoRA delta: row ``t`` of the result is ``u[t] @ a[slots[t]]^T``
     (``a`` ``[L, S*R, in]``: ``L`` adapter slots, ``S`` output segments of ``R`` rank rows
-    each), in ``x``'s dtype; rows whose slot is -1 or holds no adapter (rank 0) are 0.
+    each), in ``x``'s dtype, ``u = lora_input(x, norm_weight, eps, silu)``; rows whose slot
+    is -1 or holds no adapter (rank 0) are 0.
 
     Graph safe: every slot's product runs on every row and each row keeps its own slot's.
     ``num_segments`` is the kernel's launch shape; rows past a slot's rank are zero in
     ``a`` (``replaylm.lora`` pads them), so the product needs no mask here.
     """
+    x = lora_input(x, norm_weight, eps, silu)
     out = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     for slot in range(a.shape[0]):
         rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
@@ -235,3 +250,14 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
         rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
         y = torch.where(rows, y + delta * scales[slot], y)
     return y
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+             segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, silu: bool = False) -> torch.Tensor:
+    """A whole LoRA delta added to a projection's output ``y``: ``lora_shrink`` of the raw
+    input ``x`` (its prologue: ``lora_input``), rounded to ``x``'s dtype, then
+    ``lora_expand``; the reference of ``kernels.lora.lora_add`` (both of its paths)."""
+    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu)
+    return lora_expand(y, s, b, slots, ranks, scales, segments)

@@ -14,7 +14,9 @@ reallocated (graphs bake their addresses in):
   its first ``T`` entries, so every graph tier reads the same tensor.
 
 Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that adds the delta of
-its group after the projection: ``kernels.lora`` on CUDA, ``kernels.ref`` elsewhere.
+its group after the projection, reading the projection's raw input (the base projection keeps
+its fused RMSNorm / SiLU·mul prologue; the LoRA kernels compute their own):
+``kernels.lora.lora_add`` on CUDA, ``kernels.ref.lora_add`` elsewhere.
 """
 
 from __future__ import annotations
@@ -104,26 +106,31 @@ class LoRASlots:
         self.token_slots[:width].copy_(stage[:width], non_blocking=True)
         self._dirty = num
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` plus each row's adapter delta for ``group`` of ``layer`` (``x``: the
-        projection's input rows, ``y``: its output)."""
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              silu: bool = False) -> torch.Tensor:
+        """``y`` plus each row's adapter delta for ``group`` of ``layer`` (``y``: the
+        projection's output, ``x``: its raw input rows, from which the kernels compute the
+        adapters' input: RMSNorm with ``norm_weight`` and ``eps`` of the new residual rows
+        (qkv, gate_up), SiLU·mul of ``gate_up`` with ``silu`` (down), else ``x`` itself)."""
         g = self.groups[group]
         tokens = self.token_slots[: x.shape[0]]
         ranks = self.ranks[self._index[group], layer]
         k = ref
         if x.is_cuda:
             from replaylm.kernels import lora as k
-        s = k.lora_shrink(x, self.a[group][layer], tokens, ranks, len(g.segments))
-        return k.lora_expand(y, s, self.b[group][layer], tokens, ranks, self.scales,
-                             g.segments)
+        return k.lora_add(y, x, self.a[group][layer], self.b[group][layer], tokens, ranks,
+                          self.scales, g.segments, norm_weight, eps, silu)
 
 
 class LayerLoRA:
-    """A decoder layer's LoRA hook: ``hook(group, x, y)`` returns ``y`` with the delta of
-    every row's adapter added (``LoRASlots.apply``)."""
+    """A decoder layer's LoRA hook: ``hook(group, x, y, ...)`` returns ``y`` with the delta
+    of every row's adapter added (``LoRASlots.apply``, same arguments)."""
 
     def __init__(self, slots: LoRASlots, layer: int) -> None:
         self.slots, self.layer = slots, layer
 
-    def __call__(self, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.slots.apply(self.layer, group, x, y)
+    def __call__(self, group: str, x: torch.Tensor, y: torch.Tensor,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 silu: bool = False) -> torch.Tensor:
+        return self.slots.apply(self.layer, group, x, y, norm_weight, eps, silu)

@@ -66,8 +66,10 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
-        # ``replaylm.lora``'s hook: ``lora(group, x, y)`` adds the adapters' delta to the
-        # output ``y`` of a projection group (qkv, o, gate_up, down) of input rows ``x``.
+        # ``replaylm.lora``'s hook: ``lora(group, x, y, ...)`` adds the adapters' delta to the
+        # output ``y`` of a projection group (qkv, o, gate_up, down) whose raw input rows are
+        # ``x``: the new residual (with the norm weight and eps), gate_up (``silu=True``) or
+        # the attention output. The projections keep their fused prologues either way.
         self.lora = None
 
     def before(
@@ -85,16 +87,12 @@ class DecoderLayer(nn.Module):
         returns the raw ``qkv``: attention does the rest (``CausalLM.attention``)."""
         cfg = self.cfg
         k = self.kernels or ref
-        if self.lora is None:
-            qkv, residual = k.norm_linear(hidden, residual, self.input_layernorm.weight,
-                                          cfg.rms_norm_eps, self.qkv_proj.weight,
-                                          self.qkv_proj.bias, scale=self.qkv_proj.weight_scale)
-        else:  # the adapters read the normed rows: norm and projection run apart
-            normed, residual = k.add_rms_norm(hidden, residual, self.input_layernorm.weight,
-                                              cfg.rms_norm_eps)
-            qkv = self.lora("qkv", normed, k.linear(normed, self.qkv_proj.weight,
-                                                    self.qkv_proj.bias,
-                                                    scale=self.qkv_proj.weight_scale))
+        norm_weight = self.input_layernorm.weight
+        qkv, residual = k.norm_linear(hidden, residual, norm_weight, cfg.rms_norm_eps,
+                                      self.qkv_proj.weight, self.qkv_proj.bias,
+                                      scale=self.qkv_proj.weight_scale)
+        if self.lora is not None:  # the adapters norm the new residual rows themselves
+            qkv = self.lora("qkv", residual, qkv, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
         if defer_rope:
             return qkv, residual
         q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -131,26 +129,19 @@ class DecoderLayer(nn.Module):
             gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias,
                                scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
-        if self.lora is None:
-            gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                              self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                              scale=self.gate_up_proj.weight_scale)
-        else:
-            normed, residual = k.add_rms_norm(hidden, residual, norm_weight, eps)
-            gate_up = self.lora("gate_up", normed, k.linear(
-                normed, self.gate_up_proj.weight, self.gate_up_proj.bias,
-                scale=self.gate_up_proj.weight_scale))
+        gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
+                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                          scale=self.gate_up_proj.weight_scale)
+        if self.lora is not None:
+            gate_up = self.lora("gate_up", residual, gate_up, norm_weight=norm_weight, eps=eps)
         out = self._down(gate_up, k)
+        if self.lora is not None:  # the adapters compute SiLU·mul of gate_up themselves
+            out = self.lora("down", gate_up, out, silu=True)
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
     def _down(self, gate_up: torch.Tensor, k) -> torch.Tensor:
-        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism);
-        with LoRA apart, the adapters reading the SiLU·mul rows."""
+        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)."""
         down = self.down_proj
-        if self.lora is not None:
-            act = k.silu_and_mul(gate_up)
-            return self.lora("down", act, k.linear(act, down.weight, down.bias,
-                                                   scale=down.weight_scale))
         if down.bias is None:
             return k.silu_linear(gate_up, down.weight, scale=down.weight_scale)
         return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,

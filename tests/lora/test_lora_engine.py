@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from replaylm import LLM
+from replaylm.kernels import ref
 from tests.lora.helpers import GREEDY, PROMPTS
 
 
@@ -87,3 +88,48 @@ def test_over_fp8_weights(setup):
     got = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs))
     assert got[0] == want[0] and got[2] == want[2]
     assert got[1] != want[1] and got[3] != want[3]
+
+
+class _Recorder:
+    """A layer's ``kernels``: the torch references, each call's op name noted."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def __getattr__(self, name: str):
+        op = getattr(ref, name)
+
+        def call(*args, **kw):
+            self.calls.append(name)
+            return op(*args, **kw)
+
+        return call
+
+
+def test_projections_keep_fused_prologues(setup):
+    """With LoRA on, every layer runs its norm + qkv, norm + gate_up and SiLU·mul + down as
+    the fused ops (``norm_linear``, ``silu_linear``: one skinny kernel each at a few rows on
+    CUDA), never the separate norm or SiLU·mul, and each adapter hook gets the raw rows with
+    its prologue (RMSNorm for qkv and gate_up, SiLU·mul for down); the tokens stay PEFT's."""
+    base, loras, expected = setup
+    llm = engine(base, "eager")
+    model = llm.engine.runner.model
+    ops: list[str] = []
+    hooks: list[tuple[str, bool, bool]] = []
+    for layer in model.layers:
+        layer.kernels = _Recorder(ops)
+        real = layer.lora
+
+        def hook(group, x, y, norm_weight=None, eps=0.0, silu=False, _real=real):
+            hooks.append((group, norm_weight is not None, silu))
+            return _real(group, x, y, norm_weight, eps, silu)
+
+        layer.lora = hook
+    reqs = [None, loras[0], loras[1], loras[2]]
+    got = tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=reqs))
+    assert got == [expected[lora][i] for i, lora in enumerate(reqs)]
+    assert {"norm_linear", "silu_linear"} <= set(ops)
+    assert not {"add_rms_norm", "silu_and_mul"} & set(ops), set(ops)
+    assert ops.count("norm_linear") == 2 * ops.count("silu_linear")
+    assert set(hooks) == {("qkv", True, False), ("o", False, False),
+                          ("gate_up", True, False), ("down", False, True)}
