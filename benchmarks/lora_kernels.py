@@ -3,13 +3,11 @@
     PYTHONPATH=. python benchmarks/lora_kernels.py --model llama3.2-1b --json lora-kernels-1b.json
 
 For each group (qkv, o, gate_up, down) and row count, the device µs of one layer's LoRA
-delta (``kernels.lora``), replayed from a CUDA graph that cycles through the layers' slot
-buffers (as a decode step reads each layer's adapters once): the fused kernel (one launch;
-``lora_fused``, up to ``FUSED_MAX_ROWS`` rows) against shrink + expand (two launches), with
-every row on an adapter (4 slots, round robin) and with every row a base-model row (slot -1:
-the cost of launches that return at once). ``lora_add`` takes the fused kernel up to
-``FUSED_MAX_ROWS`` rows: the rows where the fused column stops winning say where that
-threshold belongs. Each group's input rows go through its prologue (RMSNorm for qkv and
+delta (``kernels.lora.lora_add``: the shrink over K ranges, then the expand), replayed from a
+CUDA graph that cycles through the layers' slot buffers (as a decode step reads each layer's
+adapters once), with every row on an adapter (4 slots, round robin) and with every row a
+base-model row (slot -1: the cost of launches that return at once), and the shrink's K
+ranges per row. Each group's input rows go through its prologue (RMSNorm for qkv and
 gate_up, SiLU·mul for down), as in the model.
 """
 
@@ -42,8 +40,8 @@ def filled_slots(cfg, rank: int, num_slots: int, device: torch.device) -> LoRASl
 
 
 def time_group(slots: LoRASlots, group: str, rows: int, on_adapters: bool,
-               calls: int) -> dict[str, float | None]:
-    """µs of the fused and the two-launch path for ``rows`` rows of ``group``."""
+               calls: int) -> float:
+    """µs of ``lora_add`` for ``rows`` rows of ``group``."""
     g = slots.groups[group]
     dev = slots.device
     width = 2 * g.in_dim if group == "down" else g.in_dim
@@ -58,21 +56,12 @@ def time_group(slots: LoRASlots, group: str, rows: int, on_adapters: bool,
     ranks = slots.ranks[GROUP_NAMES.index(group)]
     layers = slots.cfg.num_layers
 
-    def fused(i: int) -> None:
+    def add(i: int) -> None:
         layer = i % layers
-        lora.lora_fused(y, x, slots.a[group][layer], slots.b[group][layer], tokens,
-                        ranks[layer], slots.scales, g.segments, **kw)
+        lora.lora_add(y, x, slots.a[group][layer], slots.b[group][layer], tokens,
+                      ranks[layer], slots.scales, g.segments, **kw)
 
-    def apart(i: int) -> None:
-        layer = i % layers
-        s = lora.lora_shrink(x, slots.a[group][layer], tokens, ranks[layer],
-                             len(g.segments), **kw)
-        lora.lora_expand(y, s, slots.b[group][layer], tokens, ranks[layer], slots.scales,
-                         g.segments)
-
-    return {"fused_us": (graph_replay_us(fused, calls, 3) if rows <= lora.FUSED_MAX_ROWS
-                         else None),
-            "shrink_expand_us": graph_replay_us(apart, calls, 3)}
+    return graph_replay_us(add, calls, 3)
 
 
 def main() -> None:
@@ -88,18 +77,16 @@ def main() -> None:
     cfg, _ = load_model_config(a.model)
     slots = filled_slots(cfg, a.rank, 4, torch.device("cuda"))
     results = []
-    print(f"{'group':>8} {'rows':>5} {'rows on':>8} {'fused µs':>9} {'shrink+expand µs':>17}")
-    for group in slots.groups:
+    print(f"{'group':>8} {'ranges':>6} {'rows':>5} {'adapters µs':>12} {'base rows µs':>13}")
+    for group, g in slots.groups.items():
+        ranges = -(-g.in_dim // lora.shrink_split(g.in_dim, slots.max_rank))
         for rows in map(int, a.rows.split(",")):
-            for on_adapters in (True, False):
-                res = time_group(slots, group, rows, on_adapters, a.calls)
-                results.append({"group": group, "rows": rows,
-                                "rows_on": "adapters" if on_adapters else "base", **res})
-                fused = "-" if res["fused_us"] is None else f"{res['fused_us']:.2f}"
-                print(f"{group:>8} {rows:>5} {results[-1]['rows_on']:>8} {fused:>9} "
-                      f"{res['shrink_expand_us']:>17.2f}")
-    out = {"model": a.model, "rank": a.rank, "fused_max_rows": lora.FUSED_MAX_ROWS,
-           "results": results}
+            on = time_group(slots, group, rows, True, a.calls)
+            off = time_group(slots, group, rows, False, a.calls)
+            results.append({"group": group, "rows": rows, "ranges": ranges,
+                            "adapters_us": on, "base_rows_us": off})
+            print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
+    out = {"model": a.model, "rank": a.rank, "results": results}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

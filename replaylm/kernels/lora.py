@@ -13,18 +13,16 @@ layer's norm weight (qkv, gate_up); ``PROLOGUE_SILU`` reads ``gate_up`` and appl
 SiLU(gate)·up (down); ``PROLOGUE_PLAIN`` reads ``u`` as it is (o_proj). The roundings are
 those of the separate ops (``ref.lora_input``).
 
-:func:`lora_add` picks one of two paths by the step's row count, a host-known shape (under
-graphs the tier's padded size), so a captured graph always runs the same one:
+:func:`lora_add` runs two launches, whatever the row count:
 
-* at most ``FUSED_MAX_ROWS`` rows (decode): one launch, :func:`lora_fused`. Each program owns
-  a block of output columns and all rows; per adapter slot that any of its rows uses, it
-  recomputes the rows' tiny shrink (``u @ A^T``, rank <= ``R``) for the segments its columns
-  lie in, then adds the expand for its columns in place. No program needs another's result;
-  the price is that every program re-reads the slot's ``A`` (from L2 after the first);
-* more rows: two launches, :func:`lora_shrink` — program ``(t, segment, rank block)``
-  computes ``BLOCK_R`` rank rows of ``u[t] @ A[l, seg]^T`` over the adapter's own rank — and
-  :func:`lora_expand` — program ``(t, column block)`` adds ``scale * s[t, seg(n)] @
-  B[l, n]^T`` to the output in place. ``A`` is read once per row.
+* :func:`lora_shrink` — program ``(t, segment, K range)`` computes the prologue of its range
+  of row ``t``'s input (RMSNorm reads the whole row once for its ``1 / rms``) and that range's
+  share of ``u[t] @ A[l, seg]^T`` for every rank row of the slot, into fp32 partial sums
+  ``[T, splits, S*R]``. A decode step has one row, so the shrink's parallelism comes from
+  ``K``: about 32 ranges per row and segment (``shrink_split``);
+* :func:`lora_expand` — program ``(t, column block)`` adds each segment's partial sums in
+  range order (deterministic: no atomics), rounds the shrink to the model dtype as a separate
+  LoRA branch stores it, and adds ``scale * s[t, seg(n)] @ B[l, n]^T`` to the output in place.
 
 A row whose slot is -1 (a base-model request, or padding) or whose slot is empty (rank 0)
 reads no weight and its output row is left as it is, to the bit. Slot, rank and scale are
@@ -40,13 +38,12 @@ import triton
 import triton.language as tl
 
 from replaylm.kernels import pdl
-from replaylm.kernels.dot import dot
 from replaylm.kernels.pdl import wait_for_previous
 
-#: Rank rows one shrink program computes.
-SHRINK_ROWS = 4
-#: Rows up to which :func:`lora_add` takes the one-launch fused kernel (its row block).
-FUSED_MAX_ROWS = 16
+#: K ranges the shrink aims for per row and segment (``shrink_split``).
+SHRINK_RANGES = 32
+#: Most ``A`` elements one shrink program holds (rank rows x range width).
+SHRINK_TILE = 8192
 #: What a kernel computes from its raw input before the shrink (``ref.lora_input``).
 PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
 
@@ -88,120 +85,70 @@ def _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
 
 
 @triton.jit(do_not_specialize=["in_dim"])
-def _shrink_kernel(x_ptr, nw_ptr, a_ptr, s_ptr, slots_ptr, ranks_ptr, in_dim, eps, stride_x,
-                   stride_al, stride_ar, stride_s, R: tl.constexpr, PROLOGUE: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+def _shrink_kernel(x_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, eps, stride_x,
+                   stride_al, stride_ar, stride_pt, stride_ps, R: tl.constexpr,
+                   PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    r0 = tl.program_id(2) * BLOCK_R
+    split = tl.program_id(2)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot)
-        if r0 < rank:
+        if rank > 0:
             rows = row + tl.zeros([1], dtype=tl.int64)  # this program's row, as a block
             row_ok = rows >= 0
             inv_rms = tl.full([1], 1.0, tl.float32)
             if PROLOGUE == 1:
-                inv_rms = _inv_rms(x_ptr, rows, row_ok, in_dim, stride_x, eps, 1, BLOCK_K)
-            r = r0 + tl.arange(0, BLOCK_R)
+                inv_rms = _inv_rms(x_ptr, rows, row_ok, in_dim, stride_x, eps, 1, NORM_BLOCK)
+            r = tl.arange(0, BLOCK_R)
             r_ok = r < rank
-            a_rows = a_ptr + slot * stride_al + (seg * R + r)[:, None] * stride_ar
-            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for k0 in range(0, in_dim, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < in_dim
-                xv = _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
-                                  PROLOGUE).to(tl.float32)
-                av = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                             other=0.0).to(tl.float32)
-                acc += tl.sum(av * xv, axis=1)
-            tl.store(s_ptr + row * stride_s + seg * R + r,
-                     acc.to(s_ptr.dtype.element_ty), mask=r_ok)
+            k = split * RANGE_K + tl.arange(0, RANGE_K)
+            xv = _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
+                              PROLOGUE).to(tl.float32)  # [1, RANGE_K]
+            av = tl.load(a_ptr + slot * stride_al + (seg * R + r)[:, None] * stride_ar
+                         + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :],
+                         other=0.0).to(tl.float32)
+            tl.store(p_ptr + row * stride_pt + split * stride_ps + seg * R + r,
+                     tl.sum(av * xv, axis=1), mask=r_ok)
 
 
-@triton.jit(do_not_specialize=["out_dim", "seg1", "seg2"])
-def _expand_kernel(y_ptr, s_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, out_dim, seg1, seg2,
-                   stride_y, stride_s, stride_bl, stride_bn, R: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["out_dim", "seg1", "seg2", "splits"])
+def _expand_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, out_dim, seg1, seg2,
+                   splits, stride_y, stride_pt, stride_ps, stride_bl, stride_bn,
+                   R: tl.constexpr, NUM_SEG: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     if slot >= 0:
         rank = tl.load(ranks_ptr + slot)
         if rank > 0:
+            dt = y_ptr.dtype.element_ty
             n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < out_dim
             seg = (n >= seg1).to(tl.int32) + (n >= seg2).to(tl.int32)  # output segment of n
             r = tl.arange(0, BLOCK_R)
-            ok = n_ok[:, None] & (r < rank)[None, :]
-            sv = tl.load(s_ptr + row * stride_s + (seg * R)[:, None] + r[None, :], mask=ok,
-                         other=0.0).to(tl.float32)
-            bv = tl.load(b_ptr + slot * stride_bl + n[:, None] * stride_bn + r[None, :],
-                         mask=ok, other=0.0).to(tl.float32)
-            delta = tl.sum(sv * bv, axis=1)
+            r_ok = r < rank
+            delta = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(NUM_SEG):
+                cols = n_ok & (seg == j)
+                if tl.sum(cols.to(tl.int32)) > 0:
+                    # Segment j's shrink: its ranges' partial sums in range order, rounded to
+                    # the model dtype as a separate LoRA branch stores it.
+                    sj = tl.zeros([BLOCK_R], dtype=tl.float32)
+                    for sp in range(splits):
+                        sj += tl.load(p_ptr + row * stride_pt + sp * stride_ps + j * R + r,
+                                      mask=r_ok, other=0.0)
+                    sj = sj.to(dt).to(tl.float32)
+                    bv = tl.load(b_ptr + slot * stride_bl + n[:, None] * stride_bn + r[None, :],
+                                 mask=cols[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                    delta += tl.sum(bv * sj[None, :], axis=1)
             # The delta is rounded to y's dtype before the add, as a separate LoRA branch is.
-            delta = (delta.to(y_ptr.dtype.element_ty).to(tl.float32)
-                     * tl.load(scales_ptr + slot)).to(y_ptr.dtype.element_ty)
+            delta = (delta.to(dt).to(tl.float32) * tl.load(scales_ptr + slot)).to(dt)
             y = tl.load(y_ptr + row * stride_y + n, mask=n_ok)
             tl.store(y_ptr + row * stride_y + n, y + delta, mask=n_ok)
-
-
-@triton.jit(do_not_specialize=["num_rows", "num_slots", "in_dim", "out_dim", "seg1", "seg2"])
-def _fused_kernel(y_ptr, x_ptr, nw_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr,
-                  num_rows, num_slots, in_dim, out_dim, seg1, seg2, eps, stride_y, stride_x,
-                  stride_al, stride_ar, stride_bl, stride_bn, R: tl.constexpr,
-                  PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
-    rows = tl.arange(0, BLOCK_M)
-    row_slot = tl.load(slots_ptr + rows, mask=rows < num_rows, other=-1)
-    row_rank = tl.load(ranks_ptr + row_slot, mask=row_slot >= 0, other=0)
-    has = row_rank > 0  # rows with an adapter: the only rows read or written
-    if tl.sum(has.to(tl.int32)) > 0:
-        dt = y_ptr.dtype.element_ty
-        n0 = tl.program_id(0) * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < out_dim
-        seg_n = (n >= seg1).to(tl.int32) + (n >= seg2).to(tl.int32)
-        n_last = tl.minimum(n0 + BLOCK_N, out_dim) - 1
-        seg_lo = (n0 >= seg1).to(tl.int32) + (n0 >= seg2).to(tl.int32)
-        seg_hi = (n_last >= seg1).to(tl.int32) + (n_last >= seg2).to(tl.int32)
-        inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-        if PROLOGUE == 1:
-            inv_rms = _inv_rms(x_ptr, rows, has, in_dim, stride_x, eps, BLOCK_M, BLOCK_K)
-        r = tl.arange(0, BLOCK_R)
-        delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for slot in range(num_slots):
-            mine = has & (row_slot == slot)
-            if tl.sum(mine.to(tl.int32)) > 0:
-                rank = tl.load(ranks_ptr + slot)
-                r_ok = r < rank
-                a_slot = a_ptr + slot * stride_al
-                b_slot = b_ptr + slot * stride_bl
-                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for seg in range(seg_lo, seg_hi + 1):
-                    a_rows = a_slot + (seg * R + r)[None, :] * stride_ar  # [1, BR]
-                    s = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-                    for k0 in range(0, in_dim, BLOCK_K):
-                        k = k0 + tl.arange(0, BLOCK_K)
-                        xv = _input_chunk(x_ptr, nw_ptr, rows, mine, inv_rms, k, in_dim,
-                                          stride_x, PROLOGUE)
-                        at = tl.load(a_rows + k[:, None], mask=(k < in_dim)[:, None]
-                                     & r_ok[None, :], other=0.0)  # [BK, BR]
-                        s = s + dot(xv, at.to(dt))
-                    # The shrink's result is rounded to the model dtype, as the two-launch
-                    # path stores it.
-                    bt = tl.load(b_slot + n[None, :] * stride_bn + r[:, None],
-                                 mask=r_ok[:, None] & (n_ok & (seg_n == seg))[None, :],
-                                 other=0.0)  # [BR, BN]
-                    part += dot(s.to(dt), bt.to(dt))
-                part = (part.to(dt).to(tl.float32) * tl.load(scales_ptr + slot)).to(dt)
-                delta += tl.where(mine[:, None], part.to(tl.float32), 0.0)
-        ptrs = y_ptr + rows[:, None] * stride_y + n[None, :]
-        ok = has[:, None] & n_ok[None, :]
-        y = tl.load(ptrs, mask=ok, other=0.0)
-        tl.store(ptrs, (y.to(tl.float32) + delta).to(dt), mask=ok)
 
 
 def _in_dim(x: torch.Tensor, prologue: int) -> int:
@@ -236,29 +183,40 @@ def _segment_bounds(segments: tuple[int, ...], out_dim: int) -> tuple[int, int]:
     return seg1, seg2
 
 
+def shrink_split(in_dim: int, rank: int) -> int:
+    """Width of one shrink program's ``K`` range: about ``SHRINK_RANGES`` ranges per row and
+    segment, 64 to 512 columns wide, at most ``SHRINK_TILE`` ``A`` elements per program."""
+    block_r = triton.next_power_of_2(rank)
+    widest = max(16, SHRINK_TILE // block_r)
+    return min(widest, 512, max(64, triton.next_power_of_2(triton.cdiv(in_dim, SHRINK_RANGES))))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int = 1,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 silu: bool = False) -> torch.Tensor:
-    """``u[t] @ a[slots[t]]^T`` per row, ``u`` the prologue's rows of ``x``
-    (``ref.lora_shrink``), one program per (row, output segment, rank block); rows without
-    an adapter are left unwritten (``lora_expand`` never reads them). Each segment's rows
-    are read up to the slot's rank only."""
+    """``u[t] @ a[slots[t]]^T`` per row, ``u`` the prologue's rows of ``x``, as fp32 partial
+    sums ``[T, splits, S*R]`` over ``K`` ranges (their sum in range order is
+    ``ref.lora_shrink`` before its rounding; :func:`lora_expand` takes them); one program
+    per (row, output segment, range). Rows without an adapter, and rank rows past a slot's
+    rank, are left unwritten (``lora_expand`` never reads them)."""
     prologue = _prologue(norm_weight, silu)
     in_dim = _check(x, a, prologue, norm_weight)
     t = x.shape[0]
     width = a.shape[1]
     assert width % num_segments == 0
     rank = width // num_segments
-    out = x.new_empty(t, width)
+    range_k = shrink_split(in_dim, rank)
+    splits = triton.cdiv(in_dim, range_k)
+    out = torch.empty(t, splits, width, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    block_r = min(SHRINK_ROWS, triton.next_power_of_2(rank))
-    _shrink_kernel[(t, num_segments, triton.cdiv(rank, block_r))](
+    _shrink_kernel[(t, num_segments, splits)](
         x, norm_weight if norm_weight is not None else x, a, out, slots, ranks, in_dim, eps,
-        x.stride(0), a.stride(0), a.stride(1), out.stride(0), R=rank, PROLOGUE=prologue,
-        BLOCK_R=block_r, BLOCK_K=min(512, triton.next_power_of_2(in_dim)),
-        USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1), R=rank,
+        PROLOGUE=prologue, BLOCK_R=triton.next_power_of_2(rank), RANGE_K=range_k,
+        NORM_BLOCK=min(4096, triton.next_power_of_2(in_dim)), USE_PDL=pdl.ENABLED,
+        num_warps=4, **pdl.LAUNCH,
     )
     return out
 
@@ -267,57 +225,22 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
                 ranks: torch.Tensor, scales: torch.Tensor,
                 segments: tuple[int, ...]) -> torch.Tensor:
     """``y[t] += scales[l] * s[t, seg] @ b[l, seg]^T`` per output segment, ``l = slots[t]``
-    (``ref.lora_expand``), in place; returns ``y``. At most three segments (q, k, v)."""
+    (``ref.lora_expand``), in place; returns ``y``. ``s``: :func:`lora_shrink`'s partial
+    sums, added here in range order and rounded to ``y``'s dtype. At most three segments
+    (q, k, v)."""
     t, out_dim = y.shape
-    assert b.shape[1] == out_dim
-    assert y.stride(1) == 1 and s.stride(1) == 1 and b.stride(2) == 1
+    assert b.shape[1] == out_dim and s.dim() == 3 and s.dtype == torch.float32
+    assert y.stride(1) == 1 and s.stride(2) == 1 and b.stride(2) == 1
     seg1, seg2 = _segment_bounds(segments, out_dim)
     rank = b.shape[2]
     if t == 0:
         return y
     block_n = min(128, triton.next_power_of_2(out_dim))
     _expand_kernel[(t, triton.cdiv(out_dim, block_n))](
-        y, s, b, slots, ranks, scales, out_dim, seg1, seg2, y.stride(0), s.stride(0),
-        b.stride(0), b.stride(1), R=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_N=block_n,
-        USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
-    )
-    return y
-
-
-def fused_block_n(out_dim: int) -> int:
-    """Output columns per fused program: about 128 programs for the widest projections (one
-    wave on an H200), 64 to 256 columns each; fewer programs re-read ``A`` fewer times."""
-    return min(256, max(64, triton.next_power_of_2(triton.cdiv(out_dim, 128))),
-               max(16, triton.next_power_of_2(out_dim)))
-
-
-def lora_fused(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
-               segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, silu: bool = False) -> torch.Tensor:
-    """``ref.lora_add`` in one launch for at most ``FUSED_MAX_ROWS`` rows: prologue, shrink
-    and expand, added to ``y`` in place; returns ``y``. Program ``j`` owns output columns
-    ``j * BLOCK_N ..`` of every row and recomputes, per slot its rows use, their shrink."""
-    prologue = _prologue(norm_weight, silu)
-    in_dim = _check(x, a, prologue, norm_weight)
-    t, out_dim = y.shape
-    if t > FUSED_MAX_ROWS:
-        raise ValueError(f"the fused LoRA kernel takes at most {FUSED_MAX_ROWS} rows, not {t}")
-    assert x.shape[0] == t and b.shape[1] == out_dim and a.shape[0] == b.shape[0]
-    assert y.stride(1) == 1 and b.stride(2) == 1
-    seg1, seg2 = _segment_bounds(segments, out_dim)
-    if t == 0:
-        return y
-    rank = b.shape[2]
-    block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs 16 on every side
-    block_n = fused_block_n(out_dim)
-    block_k = max(16, min(256, triton.next_power_of_2(in_dim)))
-    _fused_kernel[(triton.cdiv(out_dim, block_n),)](
-        y, x, norm_weight if norm_weight is not None else x, a, b, slots, ranks, scales, t,
-        a.shape[0], in_dim, out_dim, seg1, seg2, eps, y.stride(0), x.stride(0), a.stride(0),
-        a.stride(1), b.stride(0), b.stride(1), R=rank, PROLOGUE=prologue,
-        BLOCK_M=FUSED_MAX_ROWS, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=pdl.ENABLED, num_warps=4, **pdl.LAUNCH,
+        y, s, b, slots, ranks, scales, out_dim, seg1, seg2, s.shape[1], y.stride(0),
+        s.stride(0), s.stride(1), b.stride(0), b.stride(1), R=rank, NUM_SEG=len(segments),
+        BLOCK_R=triton.next_power_of_2(rank), BLOCK_N=block_n, USE_PDL=pdl.ENABLED,
+        num_warps=4, **pdl.LAUNCH,
     )
     return y
 
@@ -327,10 +250,6 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
              eps: float = 0.0, silu: bool = False) -> torch.Tensor:
     """``y`` plus each row's adapter delta of the prologue's rows of ``x`` (``ref.lora_add``),
-    in place; returns ``y``. At most ``FUSED_MAX_ROWS`` rows: one launch (:func:`lora_fused`);
-    more: :func:`lora_shrink` then :func:`lora_expand`. The row count is the batch's (under
-    graphs the tier's) size, so a graph always runs the path it was captured with."""
-    if y.shape[0] <= FUSED_MAX_ROWS:
-        return lora_fused(y, x, a, b, slots, ranks, scales, segments, norm_weight, eps, silu)
+    in place; returns ``y``: :func:`lora_shrink` then :func:`lora_expand`."""
     s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu)
     return lora_expand(y, s, b, slots, ranks, scales, segments)

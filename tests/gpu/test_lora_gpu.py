@@ -1,6 +1,5 @@
-"""LoRA on the GPU: the Triton shrink/expand kernels and ``lora_add`` (fused and two-launch,
-with the RMSNorm / SiLU·mul prologues, at the 1B and 8B shapes) against the torch reference
-in bf16; a model with an adapter in a slot against the same model with the adapter merged
+"""LoRA on the GPU: the Triton shrink/expand kernels and ``lora_add`` (with the RMSNorm /
+SiLU·mul prologues, at the 1B and 8B shapes) against the torch reference in bf16; a model with an adapter in a slot against the same model with the adapter merged
 into its weights (bf16 logits); and the engine's graphs replaying batches that mix adapters
 bit-identically to the eager runs of the same padded batches (``graph_check=1``)."""
 
@@ -85,9 +84,9 @@ GROUP_SHAPES = {
 @pytest.mark.parametrize("max_rank", [8, 16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_lora_add_with_prologues_bf16(group, max_rank, rows):
-    """``lora_add`` (fused at <= 16 rows, shrink + expand above) with each group's prologue
-    against ``ref.lora_add`` in bf16: four slots (full rank, half rank, empty, full rank)
-    and base rows (-1) mixed; base and empty-slot rows untouched to the bit."""
+    """``lora_add`` (shrink over K ranges, then expand) with each group's prologue against
+    ``ref.lora_add`` in bf16: four slots (full rank, half rank, empty, full rank) and base
+    rows (-1) mixed; base and empty-slot rows untouched to the bit."""
     from replaylm.kernels import lora
 
     segments, in_dim, prologue = GROUP_SHAPES[group]

@@ -73,11 +73,11 @@ def _prologue_case(prologue: str, in_dim: int, g: torch.Generator):
 @pytest.mark.parametrize("prologue", ["plain", "norm", "silu"])
 @pytest.mark.parametrize("segments,in_dim,max_rank", [((24,), 40, 8), ((32, 16, 16), 48, 16),
                                                       ((20, 44), 300, 4), ((64, 16), 32, 32)])
-def test_fused_and_two_launch_paths_match_reference(kernels, prologue, segments, in_dim,
-                                                    max_rank):
-    """Both paths of ``lora_add`` (one fused launch; shrink + expand) against ``ref.lora_add``
-    with each prologue: base rows, an empty slot and two adapters of different ranks mixed,
-    output column blocks that straddle segments."""
+def test_lora_add_matches_reference_with_each_prologue(kernels, prologue, segments, in_dim,
+                                                       max_rank):
+    """``lora_add`` (shrink over K ranges, then expand) against ``ref.lora_add`` with each
+    prologue: base rows, an empty slot and two adapters of different ranks mixed, output
+    column blocks that straddle segments, one K range and several."""
     _, y, a, b, tokens, ranks, scales = _slots_case(segments, in_dim, max_rank, in_dim)
     g = torch.Generator().manual_seed(7)
     x, kw = _prologue_case(prologue, in_dim, g)
@@ -89,54 +89,52 @@ def test_fused_and_two_launch_paths_match_reference(kernels, prologue, segments,
                                   @ a[1, j * max_rank:(j + 1) * max_rank]).T
                         for j in range(len(segments))])
     torch.testing.assert_close(want[row], y[row] + 2.0 * merged, rtol=1e-4, atol=1e-4)
-    fused = kernels.lora.lora_fused(y.clone(), x, a, b, tokens, ranks, scales, segments, **kw)
-    s = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **kw)
-    apart = kernels.lora.lora_expand(y.clone(), s, b, tokens, ranks, scales, segments)
-    untouched = (tokens < 0) | (tokens == 2)
-    for got in (fused, apart):  # fp32 sums in another order: within a few ulps of the sums
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert torch.equal(got[untouched], y[untouched])
+    # The shrink's partial sums add up to the reference's shrink on the adapted rows.
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **kw)
+    assert parts.shape[1] == -(-in_dim // kernels.lora.shrink_split(in_dim, max_rank))
+    adapted = (tokens >= 0) & (ranks[tokens.clamp(min=0).long()] > 0)
+    s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments), **kw)
+    for slot in (0, 1):
+        rows = tokens == slot
+        r = int(ranks[slot])
+        for j in range(len(segments)):
+            cols = slice(j * max_rank, j * max_rank + r)
+            torch.testing.assert_close(parts[rows][:, :, cols].sum(1), s_ref[rows][:, cols],
+                                       rtol=1e-4, atol=1e-4)
+    got = kernels.lora.lora_add(y.clone(), x, a, b, tokens, ranks, scales, segments, **kw)
+    # fp32 sums in another order: within a few ulps of the sums.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[~adapted], y[~adapted])
 
 
-def test_lora_add_picks_by_rows(kernels, monkeypatch):
-    """``lora_add`` runs the fused kernel up to ``FUSED_MAX_ROWS`` rows and shrink + expand
-    above; both give the reference's rows, and padding rows (slot -1, NaN inputs) stay as
-    they are."""
+def test_many_ranges_and_padding_rows(kernels):
+    """A wide input (16 K ranges) at 1, 5 and 40 rows with a norm prologue; padding rows
+    (slot -1, NaN inputs) stay as they are, to the bit."""
     lora = kernels.lora
-    _, _, a, b, _, ranks, scales = _slots_case((16, 8), 24, 8, 3)
+    _, _, a, b, _, ranks, scales = _slots_case((16, 8), 1024, 8, 3)
     g = torch.Generator().manual_seed(3)
-    for t in (1, lora.FUSED_MAX_ROWS, lora.FUSED_MAX_ROWS + 3):
-        x = torch.randn(t, 24, generator=g)
+    assert -(-1024 // lora.shrink_split(1024, 8)) == 16
+    for t in (1, 5, 40):
+        x = torch.randn(t, 1024, generator=g)
         y = torch.randn(t, 24, generator=g)
         tokens = torch.randint(-1, 3, (t,), generator=g, dtype=torch.int32)
         tokens[0] = 0
-        tokens[-1] = -1
-        x[-1] = float("nan")
-        calls = []
-        for name in ("lora_fused", "lora_shrink"):
-            real = getattr(lora, name)
-            monkeypatch.setattr(lora, name, lambda *args, _real=real, _name=name, _calls=calls,
-                                **kw: (_calls.append(_name), _real(*args, **kw))[1])
-        want = ref.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8),
-                            norm_weight=torch.ones(24), eps=1e-6)
-        got = lora.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8),
-                            norm_weight=torch.ones(24), eps=1e-6)
-        monkeypatch.undo()
-        assert calls == (["lora_fused"] if t <= lora.FUSED_MAX_ROWS else ["lora_shrink"])
+        tokens[-1] = -1 if t > 1 else 0
+        if t > 1:
+            x[-1] = float("nan")
+        kw = {"norm_weight": torch.rand(1024, generator=g) + 0.5, "eps": 1e-6}
+        want = ref.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8), **kw)
+        got = lora.lora_add(y.clone(), x, a, b, tokens, ranks, scales, (16, 8), **kw)
         keep = tokens >= 0
         torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
         assert torch.equal(got[~keep], y[~keep])
 
 
-def test_fused_refuses_bad_input(kernels):
+def test_lora_add_refuses_bad_input(kernels):
     _, y, a, b, tokens, ranks, scales = _slots_case((8,), 16, 4, 0)
     x = torch.randn(7, 16)
     with pytest.raises(ValueError, match="A is"):
-        kernels.lora.lora_fused(y, x[:, :8], a, b, tokens, ranks, scales, (8,))
+        kernels.lora.lora_add(y, x[:, :8], a, b, tokens, ranks, scales, (8,))
     with pytest.raises(ValueError, match="not both"):
-        kernels.lora.lora_fused(y, x, a, b, tokens, ranks, scales, (8,),
-                                norm_weight=torch.ones(16), silu=True)
-    big = torch.randn(17, 16)
-    with pytest.raises(ValueError, match="at most"):
-        kernels.lora.lora_fused(torch.randn(17, 8), big, a, b, torch.zeros(17, dtype=torch.int32),
-                                ranks, scales, (8,))
+        kernels.lora.lora_add(y, x, a, b, tokens, ranks, scales, (8,),
+                              norm_weight=torch.ones(16), silu=True)
