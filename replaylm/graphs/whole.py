@@ -17,8 +17,8 @@ request) replays the step graph with those rows' masks allowing every token
 logits in place and writes the greedy samples again. Unconstrained steps thus keep one graph
 launch; a constrained step costs one more launch and, on the device, the step graph's
 argmax over rows the tail recomputes. The tail graph reads only static buffers (the logits
-buffer, masks, flags, sampled slots) and holds nothing of its own but the samples it
-returns, so it adds next to no graph memory.
+buffer, masks, flags, sampled slots); its own memory is the samples it returns and the
+argmax's per-chunk partials (a few KiB), so it adds next to no graph memory.
 """
 
 from __future__ import annotations

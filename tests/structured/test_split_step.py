@@ -39,7 +39,8 @@ PROMPTS = ["a b a b a b a b", "JSON:", "Code:", "Pick:", "Sum:", "def main():", 
 PARAMS = [_greedy(max_tokens=14), _greedy(SO(json=SCHEMA), max_tokens=24),
           _greedy(SO(regex=REGEX), prompt_logprobs=1), _greedy(SO(choice=CHOICES)),
           _greedy(SO(grammar=GRAMMAR)), _greedy(max_tokens=10),
-          SamplingParams(temperature=1.0, seed=7, max_tokens=16, structured_outputs=SO(regex=REGEX))]
+          SamplingParams(temperature=1.0, seed=7, max_tokens=16,
+                         structured_outputs=SO(regex=REGEX))]
 CHECKS = {1: lambda t: set(json.loads(t)) == {"a", "t"}, 2: lambda t: re.fullmatch(REGEX, t),
           3: lambda t: t in CHOICES, 4: lambda t: re.fullmatch(r"\([0-9](\+[0-9]){0,3}\)", t),
           6: lambda t: re.fullmatch(REGEX, t)}
