@@ -327,7 +327,7 @@ class GraphRuntime:
             greedy = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
         else:
             logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check, split)
-        if split is None:  # no row of a step without ``between`` is masked
+        if split is None:  # the engine splits every step with a constrained row: none here
             self._check_padding(logits[:n], key)
         return StepResult(logits[:n], greedy[:n], batch, d, d.tier)
 
