@@ -60,7 +60,6 @@ def test_constrained_requests_replay_graphs(mode):
     assert stats["hits"] and not any("structured" in r for r in stats["fallbacks"])
 
 
-
 @pytest.mark.parametrize("mode", ["full", "ragged", "piecewise", "full_and_piecewise"])
 def test_split_constrained_steps_are_bit_identical_to_eager(mode):
     """graph_check=1: every replayed step, constrained or not, is re-run eagerly on the same
