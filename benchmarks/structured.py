@@ -12,10 +12,10 @@ real 128k vocabulary.
 
 Measured, each repeat interleaving the two variants:
 
-- output tok/s of ``--batch-sizes`` requests (every request ``--max-tokens`` tokens, all
-  started together) with no constraint, and with every request constrained by a nested JSON
-  schema that cannot close within ``--max-tokens`` (so both variants generate the same number
-  of tokens);
+- output tok/s of ``--batch-sizes`` requests (every request ``--max-tokens`` tokens at
+  ``--temperature``, all started together) with no constraint, and with every request
+  constrained by a nested JSON schema that cannot close within ``--max-tokens`` (so both
+  variants generate the same number of tokens);
 - the graph fallbacks the engine counted during each variant, by reason (structured outputs
   must add none);
 - TTFT of one request with the schema already compiled against one without a constraint;
@@ -93,10 +93,11 @@ SCHEMA = {
 }
 
 
-def run_batch(llm: LLM, n: int, max_tokens: int, schema: dict | None, seed: int) -> float:
+def run_batch(llm: LLM, n: int, max_tokens: int, schema: dict | None, seed: int,
+              temperature: float = 1.0) -> float:
     """Output tok/s of ``n`` requests started together."""
     so = StructuredOutputsParams(json=schema) if schema is not None else None
-    params = [SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=1.0,
+    params = [SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=temperature,
                              seed=seed + i, ignore_eos=schema is None, structured_outputs=so)
               for i in range(n)]
     prompts = [f"Request {seed + i}: write the records as JSON." for i in range(n)]
@@ -168,6 +169,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="of every request (0: greedy, the argmax inside the graphs alone)")
     p.add_argument("--tiny", action="store_true", help="CPU check: built-in default model")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
@@ -198,7 +201,7 @@ def main() -> None:
             order = [("plain", None, plain), ("constrained", SCHEMA, constrained)]
             for name, schema, into in (order if r % 2 == 0 else order[::-1]):
                 before = fallbacks(llm)
-                into.append(run_batch(llm, b, ns.max_tokens, schema, 100 * r))
+                into.append(run_batch(llm, b, ns.max_tokens, schema, 100 * r, ns.temperature))
                 for k, n in new_fallbacks(before, fallbacks(llm)).items():
                     falls[name][k] = falls[name].get(k, 0) + n
         row = {"batch": b, "plain_tok_s": statistics.median(plain),
@@ -220,8 +223,8 @@ def main() -> None:
           f"{stall['max_step_after_ms']:.2f} ms", flush=True)
     if ns.json:
         Path(ns.json).write_text(json.dumps({
-            "model": model, "max_tokens": ns.max_tokens, "rows": rows,
-            "tensor_parallel_size": ns.tensor_parallel_size,
+            "model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
+            "rows": rows, "tensor_parallel_size": ns.tensor_parallel_size,
             "data_parallel_size": ns.data_parallel_size,
             "ttft_plain_s": t_plain, "ttft_cached_schema_s": t_cached, "stall": stall,
         }, indent=2))

@@ -28,7 +28,7 @@ def summed_graphs(per_rank: list[dict]) -> dict:
     total = _sum(per_rank)
     padded = total["padded_tokens"]
     total["padding_share"] = round(1 - total["real_tokens"] / padded, 4) if padded else 0.0
-    for key in ("nodes", "streams", "forks"):  # per graph: every rank captured the same
+    for key in ("nodes", "tail_nodes", "streams", "forks"):  # per graph: every rank the same
         total[key] = per_rank[0][key]
     if "all_reduce" in per_rank[0]:  # rank 0's group's plan (each group's under ranks)
         total["all_reduce"] = per_rank[0]["all_reduce"]

@@ -100,7 +100,7 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
             self.speculation is None or self.speculation.overlaps)
         self.inflight: Launched | None = None  # launched, not yet resolved (overlap)
         # Structured outputs (``replaylm.structured``): grammar matchers, per-slot masks. A
-        # step that samples a constrained request is never kept in flight (its mask rule).
+        # step that samples a constrained request fills its masks while its forward runs.
         self.structured = StructuredOutputs(self.runner.buffers, cfg.vocab_size)
         self.step_observer: StepObserver = NO_OBSERVER
         # Data parallel: the ranks' tier agreement, called every step (``replaylm.distributed``).
@@ -243,25 +243,31 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
         return deltas
 
     def launch(self, out: SchedulerOutput) -> tuple[Launched | None, list[RequestDelta]]:
-        """Launch ``out`` (nothing waits for the device); the launched step, and the deltas of
-        requests that failed on the way in. A data-parallel rank with nothing scheduled runs
-        its part of the ranks' step idle."""
+        """Launch ``out``; the launched step, and the deltas of requests that failed on the way
+        in. Nothing waits for the device but a step that samples a constrained request: once
+        its forward is launched, it waits for the step in flight, whose tokens its grammars
+        take before its masks are filled (``structured.masks``). A data-parallel rank with
+        nothing scheduled runs its part of the ranks' step idle."""
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
             if self.agree is not None:
                 self.runner.idle(self.agree)
             return None, []
-        obs = self.step_observer
+        obs, structured = self.step_observer, self.structured
+        split = structured.in_step(out)  # its masks are filled while its forward runs
 
         def before_launch() -> None:  # the host batch is built; nothing is on the device yet
-            if self.structured.busy:  # masks of the constrained requests this step samples
-                if self.inflight is not None and self.structured.in_step(out):
-                    self.advance_grammars(self.inflight)  # the masks continue its tokens
-                self.structured.prepare(out)
+            if structured.busy:
+                structured.begin(out)  # slot flags; this step's constrained rows allow all
             obs.launching()
 
-        pending, dispatch, padded = self.runner.execute(out, on_launch=before_launch,
-                                                        agree=self.agree)
+        def between() -> None:  # the forward is on the device, the tail (masks) is not
+            if self.inflight is not None:
+                self.advance_grammars(self.inflight)  # the masks continue its tokens
+            structured.prepare(out)
+
+        pending, dispatch, padded = self.runner.execute(
+            out, on_launch=before_launch, agree=self.agree, on_forward=between if split else None)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
         self.scheduler.launched(out)
         errors = [self._fail(req, e) for req, e in self.runner.sampler.take_failed()]

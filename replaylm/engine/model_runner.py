@@ -242,13 +242,16 @@ class ModelRunner(RunnerStartup, KVSizing):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None,
-                agree: Agree | None = None) -> tuple[PendingStep | None, Dispatch, int]:
+                agree: Agree | None = None, on_forward: Callable[[], None] | None = None
+                ) -> tuple[PendingStep | None, Dispatch, int]:
         """Launch one step; returns the pending samples, the dispatch and the padded size.
         ``agree``: data-parallel tier agreement (``GraphRuntime.dispatch``).
 
-        Nothing here waits for the device: the samples are read later, from the
-        ``PendingStep``. ``on_launch`` runs after the host-only work, right before the step's
-        first device operation (the profiler's start event).
+        Nothing here waits for the device (``on_forward`` may): the samples are read later,
+        from the ``PendingStep``. ``on_launch`` runs after the host-only work, right before
+        the step's first device operation (the profiler's start event); ``on_forward`` once
+        the step's forward is launched, before its tail (masks, greedy samples, the sampler)
+        is (``GraphRuntime.run``'s ``between``), so the host works while the forward runs.
         """
         spec = self.spec
         pad_to = spec.num_speculative_tokens + 1 if spec and spec.verify == "padded" else 0
@@ -263,9 +266,10 @@ class ModelRunner(RunnerStartup, KVSizing):
             accept = self.verify_accept(out, self.sampler.state)
         if self.broadcast is None:
             return self._launch(host, out.newly_slotted, prompt_plan(out, host, self.device),
-                                agree, accept)
-        # Structured-output masks are the leader's alone (``on_launch`` filled them): while a
-        # slot's flag is on, the group takes the leader's tokens.
+                                agree, accept, on_forward)
+        # Structured-output masks are the leader's alone (``on_launch`` set their flags,
+        # ``on_forward`` fills them): while a slot's flag is on, the group takes the
+        # leader's tokens.
         step = StepInput.of(out, host, accept is not None or self.buffers.bitmask_any)
         self.broadcast(("step", step))
         plan = step.plan
@@ -273,7 +277,7 @@ class ModelRunner(RunnerStartup, KVSizing):
             plan = prompt_plan(out, host, self.device)
         if step.tokens_from_leader and self.tp is not None:
             accept = sent_to_group(accept, self.tp)
-        return self._launch(host, out.newly_slotted, plan, agree, accept)
+        return self._launch(host, out.newly_slotted, plan, agree, accept, on_forward)
 
     @torch.inference_mode()
     def run_step(self, step: StepInput, agree: Agree | None = None
@@ -290,9 +294,10 @@ class ModelRunner(RunnerStartup, KVSizing):
 
     def _launch(self, host: HostBatch, admitted: list, plan: PromptLogprobPlan | None,
                 agree: Agree | None, accept: Accept | None = None,
+                on_forward: Callable[[], None] | None = None,
                 ) -> tuple[PendingStep | None, Dispatch, int]:
         """The device part of a step (``accept``: a verify's acceptance rule beyond exact
-        matching, ``StepSampler.run``)."""
+        matching, ``StepSampler.run``; ``on_forward``: as ``execute``'s)."""
         for req in admitted:
             self.admit(req)
         self.sampler.flush()
@@ -303,7 +308,8 @@ class ModelRunner(RunnerStartup, KVSizing):
         if plan is None:
             eager = (spec is not None and spec.verify == "eager" and host.draft_next is not None
                      and self.policy.mode != "eager")
-            res = self.graphs.run(host, agree, "speculative_config verify=eager" if eager else None)
+            res = self.graphs.run(host, agree, "speculative_config verify=eager" if eager else None,
+                                  on_forward)
             logits, greedy, batch = res.logits, res.greedy, res.batch
             dispatch, padded = res.dispatch, res.padded_tokens
         else:
@@ -311,7 +317,8 @@ class ModelRunner(RunnerStartup, KVSizing):
             if agree is not None:  # the other ranks run this step eagerly too
                 pad_to = self.graphs.dispatch(host.num_tokens, host.num_reqs,
                                               host.is_uniform_decode, False, agree).pad_to
-            logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan, pad_to)
+            logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan, pad_to,
+                                                                         on_forward)
             greedy = None
         n = host.num_sampled
         if n == 0 and plan is None:
@@ -372,7 +379,8 @@ class ModelRunner(RunnerStartup, KVSizing):
         """The pointer audit of every captured graph (``graphs.audit``)."""
         return self.graphs.audit(self.arena)
 
-    def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0):
+    def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0,
+                              on_forward: Callable[[], None] | None = None):
         """An eager step that also returns logits of prompt-logprob rows (after the sampled
         rows): graphs size their logits rows for sampling only, so such steps skip them.
         ``pad_to``: the token count the data-parallel-attention ranks agreed on."""
@@ -385,6 +393,8 @@ class ModelRunner(RunnerStartup, KVSizing):
         rows = torch.cat([batch.logits_indices, plan.rows])
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, rows=rows)
         logits = self.model.compute_logits(hidden)
+        if on_forward is not None:
+            on_forward()
         n = host.num_sampled  # structured outputs' masks, on the sampled rows only
         if self.buffers.bitmask_any:
             apply_token_bitmask(logits[:n], self.buffers.token_bitmask,

@@ -31,10 +31,8 @@ from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.graph import Graph
 from replaylm.graphs.piecewise import PiecewiseGraphs
 from replaylm.graphs.policy import Dispatch, GraphPolicy
-from replaylm.graphs.whole import WholeModelGraphs, run_whole_model
+from replaylm.graphs.whole import WholeModelGraphs, run_whole_model, step_logits, step_tail
 from replaylm.model.llama import CausalLM
-from replaylm.sampling.bitmask import apply_token_bitmask
-from replaylm.sampling.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +53,9 @@ class GraphStats:
     padded_tokens: int = 0
     num_graphs: int = 0
     nodes: dict[str, int] = field(default_factory=dict)  # "mode:tier" -> graph nodes per step
+    # "mode:tier" -> nodes of that whole-model graph's tail graph (``graphs.whole``), which a
+    # step replays as well only when its masks are filled while its forward runs
+    tail_nodes: dict[str, int] = field(default_factory=dict)
     # "mode:tier" -> streams the capture issued work on (1, or 2 with the model's side
     # stream) and the forks onto that side stream (one per sparse layer that forked)
     streams: dict[str, int] = field(default_factory=dict)
@@ -81,6 +82,7 @@ class GraphStats:
             "padding_share": round(1 - self.real_tokens / self.padded_tokens, 4)
             if self.padded_tokens else 0.0,
             "num_graphs": self.num_graphs, "nodes": dict(self.nodes),
+            "tail_nodes": dict(self.tail_nodes),
             "streams": dict(self.streams), "forks": dict(self.forks),
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_mib": round(self.graph_mib, 1), "checks": self.checks,
@@ -179,7 +181,10 @@ class GraphRuntime:
                 if mode == "piecewise":
                     nodes = self.piecewise.capture(tier, new_graph)
                 else:
-                    nodes = self.whole.capture(mode, tier, new_graph(f"{mode}:{tier}"))
+                    nodes, tail = self.whole.capture(mode, tier, new_graph(f"{mode}:{tier}"),
+                                                     new_graph(f"{mode}:{tier}:tail"))
+                    if tail is not None:
+                        self.stats.tail_nodes[f"{mode}:{tier}"] = tail
                 if nodes is not None:
                     self.stats.nodes[f"{mode}:{tier}"] = nodes
                 forks = self.model.side_stream_forks() - forks
@@ -192,15 +197,15 @@ class GraphRuntime:
             self.capture_chunks = arena.mapped_ranges()
         s = self.stats
         s.capture_seconds = time.perf_counter() - start
-        s.num_graphs = (len(self.whole.graphs) if self.whole else 0) + (
-            sum(map(len, self.piecewise.links.values())) if self.piecewise else 0)
+        s.num_graphs = len(self.captured())
         s.graph_mib = (_reserved(self.device) - before) / 2**20
         log.info("captured %d graphs (modes %s) in %.2f s, %.1f MiB", s.num_graphs,
                  ",".join(sorted({m for m, _ in jobs})), s.capture_seconds, s.graph_mib)
 
     def captured(self) -> list[Graph]:
-        """Every captured graph (whole-model graphs, then each tier's links)."""
-        out = list(self.whole.graphs.values()) if self.whole else []
+        """Every captured graph (whole-model graphs, their tail graphs, then each tier's
+        links)."""
+        out = [*self.whole.graphs.values(), *self.whole.tails.values()] if self.whole else []
         if self.piecewise:
             out += [g for links in self.piecewise.links.values() for g in links]
         return out
@@ -277,8 +282,15 @@ class GraphRuntime:
         return None
 
     def run(self, host: HostBatch, agree: Agree | None = None,
-            eager_reason: str | None = None) -> StepResult:
-        """Run one step; ``eager_reason``: the step must run without a graph, and why."""
+            eager_reason: str | None = None, between: Callable[[], None] | None = None
+            ) -> StepResult:
+        """Run one step; ``eager_reason``: the step must run without a graph, and why.
+
+        ``between``: called once the step's forward is launched and before its tail (the
+        masks and the greedy samples, ``graphs.whole``) is, so the tail reads what it wrote
+        (``structured.masks``: a constrained step's masks); the device runs the forward
+        meanwhile. Without it the tail follows the forward at once (whole-model graphs:
+        inside the same graph)."""
         if eager_reason is not None and agree is None:
             d = Dispatch("eager", reason=eager_reason)
         else:
@@ -292,26 +304,39 @@ class GraphRuntime:
             if d.pad_to:
                 host = host.padded(d.pad_to, self.buffers.scratch_slot)
             batch = self.eager_batch(host)
-            logits, greedy = run_whole_model(self.model, self.buffers, batch,
-                                             masks=self.buffers.bitmask_any)
+            logits = step_logits(self.model, self.buffers, batch)
+            if between is not None:
+                between()
+            greedy = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
             return StepResult(logits, greedy, batch, d, host.num_tokens)
         key = f"{d.mode}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
         s.real_tokens += host.num_tokens - host.layout_pad_tokens
         s.padded_tokens += d.tier
         check = self._check_label(key)
+        split = None
+        if between is not None:
+            def split(logits: torch.Tensor) -> None:  # before the tail masks any row
+                self._check_padding(logits[:n], key)
+                between()
         if d.mode == "piecewise":
             logits, batch = self.piecewise.run(host, d.tier, check)
-            if self.buffers.bitmask_any:  # eager, between the piecewise graphs
-                apply_token_bitmask(logits, self.buffers.token_bitmask, self.buffers.bitmask_on,
-                                    batch.sample_slots)
-            greedy = argmax_rows(logits, self.last_token, batch.sample_slots)
+            if split is not None:
+                split(logits)
+            # eager, after the piecewise graphs
+            greedy = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
         else:
-            logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check)
-        if self.model.poison_padding and n and not bool(torch.isfinite(logits[:n]).all()):
+            logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check, split)
+        if split is None:  # the engine splits every step with a constrained row: none here
+            self._check_padding(logits[:n], key)
+        return StepResult(logits[:n], greedy[:n], batch, d, d.tier)
+
+    def _check_padding(self, logits: torch.Tensor, key: str) -> None:
+        """With ``poison_padding``: raise if a real row's logits are not all finite (read
+        before the masks, whose ``-inf`` are not a leak)."""
+        if self.model.poison_padding and len(logits) and not bool(torch.isfinite(logits).all()):
             # A debugging mode, so this host sync is acceptable; it runs after the replay.
             raise PaddingLeakError(f"padding leaked into real rows: mode {self.mode}, graph {key}")
-        return StepResult(logits[:n], greedy[:n], batch, d, d.tier)
 
     def eager_batch(self, host: HostBatch) -> ForwardBatch:
         """An unpadded eager step: on the static buffers when it fits, else fresh tensors."""

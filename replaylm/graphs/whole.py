@@ -1,15 +1,29 @@
 """Whole-model graphs: one capture of the entire step per tier (``full`` and ``ragged``).
 
-A step on the device is: inputs gathered and embedded (one launch), the model with its final
-norm on the logits rows only, the LM head into the shared logits buffer, the structured-output
-token masks of constrained rows (``sampling.bitmask``), and greedy samples written to
-``last_token``. ``full`` graphs are keyed by request count, every request one
-token (``tier`` tokens, ``tier`` slots); ``ragged`` graphs by total tokens, with
-``min(tier, S)`` request slots, so any mix of query lengths whose total fits replays one
-graph.
+A step on the device is its forward (``step_logits``: inputs gathered and embedded in one
+launch, the model with its final norm on the logits rows only, the LM head into the shared
+logits buffer) and its tail (``step_tail``: the structured-output token masks of constrained
+rows, ``sampling.bitmask``, then greedy samples written to ``last_token``). ``full`` graphs
+are keyed by request count, every request one token (``tier`` tokens, ``tier`` slots);
+``ragged`` graphs by total tokens, with ``min(tier, S)`` request slots, so any mix of query
+lengths whose total fits replays one graph.
+
+Each tier holds two graphs, captured in this order into the runtime's one pool: the step
+graph (forward and tail together) and a tail graph (the tail alone, two nodes on CUDA: the
+mask and the argmax). A step replays the step graph; a step whose masks are filled on the
+host while its forward runs (``run``'s ``between``: a step that samples a constrained
+request) replays the step graph with those rows' masks allowing every token
+(``structured.masks``), runs ``between``, then replays the tail graph, which masks the
+logits in place and writes the greedy samples again. Unconstrained steps thus keep one graph
+launch; a constrained step costs one more launch and, on the device, the step graph's
+argmax over rows the tail recomputes. The tail graph reads only static buffers (the logits
+buffer, masks, flags, sampled slots); its own memory is the samples it returns and the
+argmax's per-chunk partials (a few KiB), so it adds next to no graph memory.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,24 +35,36 @@ from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.sampler import argmax_rows
 
 
-def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
-                    out: torch.Tensor | None = None, gather: bool = True,
-                    masks: bool = True) -> list[torch.Tensor]:
-    """The step on the device: ``[logits, greedy]``. ``gather=False`` reuses the inputs a
-    replay already gathered (the graph check re-runs a replayed step). Eager steps run this
-    too, unpadded; ``masks=False`` (an eager step while no slot is constrained) skips the
-    structured-output masks, which would change nothing."""
+def step_logits(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
+                out: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor:
+    """The step's forward on the device: the logits rows (into ``out`` when given).
+    ``gather=False`` reuses the inputs a replay already gathered (the graph check)."""
     embedded = None
     if gather and b.gather is not None:
         embedded = buffers.gather_inputs(b, model.gather_embedding,
                                          fused=model.kernels is not None)
     hidden = model(b.input_ids, b.positions, b.meta, embedded, rows=b.logits_indices)
-    logits = model.compute_logits(hidden, out)
-    # Structured outputs: constrained rows' forbidden tokens to -inf (rows of unconstrained
-    # slots untouched), before the greedy argmax and the sampler read the logits.
+    return model.compute_logits(hidden, out)
+
+
+def step_tail(buffers: StaticBuffers, logits: torch.Tensor, b: ForwardBatch,
+              masks: bool = True) -> torch.Tensor:
+    """The step's tail on the device: constrained rows' forbidden tokens to ``-inf`` in place
+    (rows of unconstrained slots untouched), then the greedy samples, also written to
+    ``last_token`` (the sampler reads the masked logits after it). ``masks=False`` (an eager
+    step while no slot is constrained) skips the masks, which would change nothing."""
     if masks:
         apply_token_bitmask(logits, buffers.token_bitmask, buffers.bitmask_on, b.sample_slots)
-    return [logits, argmax_rows(logits, buffers.last_token, b.sample_slots)]
+    return argmax_rows(logits, buffers.last_token, b.sample_slots)
+
+
+def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
+                    out: torch.Tensor | None = None, gather: bool = True,
+                    masks: bool = True) -> list[torch.Tensor]:
+    """The whole step, forward then tail: ``[logits, greedy]``. Eager steps run this too,
+    unpadded."""
+    logits = step_logits(model, buffers, b, out, gather)
+    return [logits, step_tail(buffers, logits, b, masks)]
 
 
 class WholeModelGraphs:
@@ -56,6 +82,7 @@ class WholeModelGraphs:
         self.logits_buf = torch.zeros(min(top_tier, self.max_logits), model.cfg.vocab_size,
                                       dtype=weight.dtype, device=weight.device)
         self.graphs: dict[tuple[str, int], Graph] = {}
+        self.tails: dict[tuple[str, int], Graph] = {}  # the tail graph of each step graph
 
     @staticmethod
     def static_bytes(vocab_size: int, top_tier: int, max_logits: int) -> int:
@@ -71,26 +98,39 @@ class WholeModelGraphs:
         slots = min(tier, self.max_num_seqs)
         return self.buffers.view(tier, slots, min(tier, self.max_logits), max_q_len=tier)
 
-    def capture(self, mode: str, tier: int, graph: Graph) -> int | None:
-        """Capture the step of ``mode``'s ``tier`` into ``graph``; returns its node count."""
+    def capture(self, mode: str, tier: int, graph: Graph, tail: Graph) -> tuple[int | None,
+                                                                                int | None]:
+        """Capture the step of ``mode``'s ``tier`` into ``graph``, then its tail alone into
+        ``tail``; returns their node counts."""
         batch = self.view(mode, tier)
         out = self.logits_buf[: len(batch.logits_indices)]
         graph.capture(lambda: run_whole_model(self.model, self.buffers, batch, out))
+        tail.capture(lambda: [step_tail(self.buffers, out, batch)])
         self.graphs[(mode, tier)] = graph
-        return graph.num_nodes()
+        self.tails[(mode, tier)] = tail
+        return graph.num_nodes(), tail.num_nodes()
 
-    def run(self, host: HostBatch, mode: str, tier: int, check: str | None = None
+    def run(self, host: HostBatch, mode: str, tier: int, check: str | None = None,
+            between: Callable[[torch.Tensor], None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """Replay ``mode``'s ``tier`` graph on ``host`` (padded); with ``check`` (the check's
-        label), also run the same kernels eagerly and compare bit for bit."""
+        """Replay ``mode``'s ``tier`` graph on ``host`` (padded). With ``between``, call it
+        with the logits once the step graph is launched, then replay the tail graph. With
+        ``check`` (the check's label), also run the same kernels eagerly and compare bit for
+        bit."""
         batch = self.view(mode, tier)
         self.buffers.load(host, tier, batch.meta.num_reqs, len(batch.logits_indices))
         g = self.graphs[(mode, tier)]
         g.replay()
         logits, greedy = g.outputs
+        if between is not None:
+            between(logits)
+            tail = self.tails[(mode, tier)]
+            tail.replay()
+            greedy = tail.outputs[0]
         if check:  # into a scratch buffer of the same shape and dtype; inputs as the replay
             # gathered them (it has overwritten last_token since)
             eager = run_whole_model(self.model, self.buffers, batch, torch.empty_like(logits),
                                     gather=False)
-            check_bits(g.outputs, eager, f"{check}, first differing segment: whole model")
+            check_bits([logits, greedy], eager,
+                       f"{check}, first differing segment: whole model")
         return logits, greedy, batch

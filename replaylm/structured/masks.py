@@ -1,20 +1,31 @@
 """Per-request grammar state and the per-slot token masks of one engine.
 
-Each constrained request holds an xgrammar ``GrammarMatcher`` (``Request.grammar``). Before a
-step that samples it, ``prepare`` fills the matcher's next-token bitmask on the host (xgrammar's
-``fill_next_token_bitmask``) into the request's slot row and copies that row into the graphs'
-static ``token_bitmask`` buffer; the slot's ``bitmask_on`` flag says the row applies. The
-captured step applies it to the row's logits before the greedy argmax (``graphs.whole``), and
-the sampler reads the masked logits, so constrained steps replay graphs like any other.
+Each constrained request holds an xgrammar ``GrammarMatcher`` (``Request.grammar``). For a
+step that samples it, ``prepare`` fills the matcher's next-token bitmask on the host
+(xgrammar's ``fill_next_token_bitmask``) into the request's slot row and copies that row into
+the graphs' static ``token_bitmask`` buffer; the slot's ``bitmask_on`` flag says the row
+applies. The step's tail (``graphs.whole``: mask, then greedy argmax) applies it to the row's
+logits, and the sampler reads the masked logits, so constrained steps replay graphs like any
+other.
+
+**A step in two halves.** A step that samples a constrained request (``in_step``) runs its
+forward before its masks exist: ``begin`` (before the step's first device operation) sets the
+slot flags of newly slotted requests and makes the rows of the step's constrained requests
+allow every token on the device, so the forward graph's own mask leaves their logits as they
+are; the model runner then launches the forward, and only then does the engine wait for the
+step in flight, let the grammars take its tokens (``advance``) and fill the masks
+(``prepare``), while the device runs the forward; the step's tail, launched after that, masks
+the rows and takes their greedy samples (``EngineCore.launch``, ``ModelRunner.execute``'s
+``on_forward``). Steps that sample no constrained request run ``begin`` alone (slot flags)
+and the forward graph with its tail in one piece.
 
 **Overlap rule.** A mask for step N+1 depends on the token step N samples, and with overlap
-scheduling step N+1 is scheduled while step N runs. So before the engine launches a step that
-samples a constrained request (``in_step``), it waits for the step in flight and advances the
-grammars by its tokens (``EngineCore.launch``, ``advance``); the rest of that step's results
-(outputs, stop checks, detokenizing) is applied after the launch as usual. Scheduling and
-building the next step still overlap the device; only the wait, the grammar advance and the
-mask fill lie between two steps. Steps that sample no constrained request overlap as usual
-(nothing here runs for them once no constrained request is left).
+scheduling step N+1 is scheduled and its forward launched while step N runs: every mask is
+filled after the grammar took every earlier token of its request, those of the step in flight
+included (its wait comes after N+1's forward is launched). The rest of step N's results
+(outputs, stop checks, detokenizing) is applied after the launch as usual. Steps that sample
+no constrained request overlap as usual (nothing here runs for them once no constrained
+request is left).
 
 **Mask fill.** The rows of a step's constrained requests are filled together by xgrammar's
 ``BatchGrammarMatcher`` (its threads fill rows in parallel, outside the GIL) and reach the
@@ -91,15 +102,17 @@ class StructuredOutputs:
                 self._set_flag(slot, None)
 
     def in_step(self, out: Any) -> bool:
-        """Whether step ``out`` samples a constrained request (its masks then need the grammar
-        state after the step in flight)."""
+        """Whether step ``out`` samples a constrained request: its masks need the grammar
+        state after the step in flight, so they are filled while its forward runs."""
         if not self.requests:
             return False
         return any(s.sample and s.request.grammar is not None for s in out.scheduled)
 
-    def prepare(self, out: Any) -> None:
-        """Before step ``out`` launches: slot flags of newly slotted requests, and the mask
-        row of every constrained request the step samples (stream-ordered with the step)."""
+    def begin(self, out: Any) -> None:
+        """Before step ``out``'s first device operation: the slot flags of newly slotted
+        requests, and, where the step samples constrained requests, their device rows set to
+        allow every token until ``prepare`` fills them (the forward's own mask then changes
+        nothing on them). Stream-ordered with the step."""
         done = [r for r in self.requests if r.is_finished]
         for req in done:
             self.requests.discard(req)
@@ -108,6 +121,14 @@ class StructuredOutputs:
                 self._set_flag(slot, None)
         for req in out.newly_slotted:
             self._set_flag(req.slot, req if req.grammar is not None else None)
+        rows = self._rows(out)
+        if rows:
+            self.device_mask[min(rows): max(rows) + 1].fill_(-1)
+
+    def prepare(self, out: Any) -> None:
+        """The mask row of every constrained request step ``out`` samples, from its grammar's
+        current state, copied to the device (stream-ordered after the step's forward, before
+        its tail). ``begin`` ran for the step before."""
         matchers, slots = [], []
         for s in out.scheduled:
             req = s.request
@@ -122,10 +143,16 @@ class StructuredOutputs:
             matchers[0].fill_next_token_bitmask(self.host_mask, slots[0])
         elif matchers:
             self._batch().batch_fill_next_token_bitmask(matchers, self.host_mask, slots)
-        rows = [s.request.slot for s in out.scheduled if s.sample and s.request.grammar is not None]
+        rows = self._rows(out)
         if rows:
             lo, hi = min(rows), max(rows) + 1
             self.device_mask[lo:hi].copy_(self.host_mask[lo:hi], non_blocking=True)
+
+    @staticmethod
+    def _rows(out: Any) -> list[int]:
+        """Slots of the constrained requests step ``out`` samples."""
+        return [s.request.slot for s in out.scheduled
+                if s.sample and s.request.grammar is not None]
 
     def _batch(self) -> Any:
         if self._batcher is None:

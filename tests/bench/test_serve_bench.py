@@ -42,7 +42,7 @@ def test_in_process_modes_and_rates(tmp_path):
     assert record["target"] == "in-process"
     _check_runs(record, ["eager", "ragged"], ["20", "inf"], 5)
     assert set(record["engines"]) == {"eager", "ragged"}
-    assert record["engines"]["ragged"]["num_graphs"] == 2
+    assert record["engines"]["ragged"]["num_graphs"] == 4  # two tiers, each with its tail
     ragged = [r for r in record["runs"] if r["mode"] == "ragged"]
     assert all(r["padding_share"] > 0 for r in ragged)  # 5 requests run in the tier of 8
     assert all(r["goodput"]["requests"] == 5 for r in record["runs"])  # a 60 s TTFT bound

@@ -57,7 +57,8 @@ def test_tiny_run_regenerates_the_section(tmp_path):
     assert text.startswith("# Benchmarks\n\nBefore.\n\n") and text.endswith("## After\n\nKept.\n")
     assert "not GPU figures" in text
     assert re.search(r"\| `eager` \| [\d,.]+ \| [\d.]+ \| [\d,.]+ \|", text)
-    assert re.search(r"\| `ragged` \| [\d,.]+ \| [\d.]+ \| [\d,.]+ \| [\d.]+ \| [\d.]+% \| 2 \|",
+    # two tiers, each a step graph and its tail graph
+    assert re.search(r"\| `ragged` \| [\d,.]+ \| [\d.]+ \| [\d,.]+ \| [\d.]+ \| [\d.]+% \| 4 \|",
                      text)
     assert "Serving, Poisson arrivals at 20 req/s" in text
     assert re.search(r"\| `ragged` \| cold \| [\d.]+ \| [\d.]+ \| 0\.00 \| ", text)  # no plan on CPU
