@@ -261,15 +261,12 @@ class ModelRunner(RunnerStartup, KVSizing):
             on_launch()
         # A drafter's acceptance rule reads the schedule alone (a verifying request was
         # slotted in an earlier step), so it is known before the step goes out.
-        accept = None
-        if host.draft_next is not None and self.verify_accept is not None:
-            accept = self.verify_accept(out, self.sampler.state)
+        accept = (self.verify_accept(out, self.sampler.state)
+                  if host.draft_next is not None and self.verify_accept is not None else None)
         if self.broadcast is None:
             return self._launch(host, out.newly_slotted, prompt_plan(out, host, self.device),
                                 agree, accept, on_forward)
-        # Structured-output masks are the leader's alone (``on_launch`` set their flags,
-        # ``on_forward`` fills them): while a slot's flag is on, the group takes the
-        # leader's tokens.
+        # Masks are the leader's alone: while a slot's flag is on, the group takes its tokens.
         step = StepInput.of(out, host, accept is not None or self.buffers.bitmask_any)
         self.broadcast(("step", step))
         plan = step.plan
