@@ -226,7 +226,7 @@ def candidate_configs(m: int, k: int, weight_dtype: torch.dtype | None = None,
                                     for bn, bk, warps in _candidates(weight_dtype)[bm]]
     fp8 = weight_dtype is not None and weight_dtype.itemsize == 1
     split = skinny_split.SPLIT_CANDIDATES_FP8 if fp8 else skinny_split.SPLIT_CANDIDATES
-    for bn, bk, warps, splits in split[bm]:
+    for bn, bk, warps, splits in split.get(bm, ()):
         ranges = skinny_split.split_chunks(k, bk, splits)[1]
         if ranges > 1:
             tiles.append((bm, bn, bk, warps, ranges))

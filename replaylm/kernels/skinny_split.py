@@ -35,15 +35,15 @@ from replaylm.kernels import pdl
 from replaylm.kernels.pdl import wait_for_previous
 
 #: Split-K tiles ``(BLOCK_N, BLOCK_K, num_warps, SPLIT_K)`` per row-block size, bf16
-#: weights; the tuner times them beside ``skinny.CANDIDATES``. Wider strips than those
-#: (more output rows share each input chunk) kept to the same register budget: an
-#: accumulator of at most 64 fp32 registers per thread (``BLOCK_M * BLOCK_N * BLOCK_K``
-#: over the threads, FP8 chunks included), with two, four or eight ranges over ``K``.
+#: weights; the tuner times them beside ``skinny.CANDIDATES``. A strip twice as wide as the
+#: whole-K tiles' over two ranges of ``K``, in the same register budget. None at one row:
+#: on the H200 no split tile beat a whole-K one at m = 1 on any Llama-3-8B projection (FP8
+#: or bf16, ``benchmarks/fp8.py gemv``), while this one won by up to 11% at two rows (FP8
+#: qkv, gate_up, lm_head) and 3% at four (bf16 down); wider splits never won.
 SPLIT_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
-    1: [(8, 512, 4, 2), (16, 512, 8, 4), (8, 1024, 8, 8)],
-    2: [(8, 256, 4, 2), (16, 256, 8, 4)],
-    4: [(8, 128, 4, 2), (8, 128, 8, 4)],
-    8: [(4, 128, 4, 2), (8, 64, 4, 4)],
+    2: [(8, 256, 4, 2)],
+    4: [(8, 128, 4, 2)],
+    8: [(4, 128, 4, 2)],
 }
 #: The split-K tiles for one-byte (FP8) weights: chunks twice as long in ``K``.
 SPLIT_CANDIDATES_FP8: dict[int, list[tuple[int, int, int, int]]] = {
