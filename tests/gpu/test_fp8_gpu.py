@@ -70,15 +70,21 @@ def test_tuned_fp8_linear(m, n, k):
     assert torch.equal(chosen, ops.linear(x, w, scale=scale))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (5, 6144, 4096)])
-def test_skinny_fp8_norm_linear(m, n, k):
-    g = torch.Generator(device=DEV).manual_seed(n + m)
+def _norm_case(m: int, n: int, k: int, g: torch.Generator):
+    """Rows, residual, norm weight, FP8 weight and scale of a residual add + RMSNorm +
+    projection, with the references' output and new residual."""
     x = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
     res = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
     nw = torch.rand(k, device=DEV, dtype=BF16, generator=g) + 0.5
     w, scale = _fp8_weight(n, k, n)
     normed, want_res = ref.add_rms_norm(x, res, nw, 1e-6)
-    want = _want(normed, w, scale)
+    return x, res, nw, w, scale, _want(normed, w, scale), want_res
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (5, 6144, 4096)])
+def test_skinny_fp8_norm_linear(m, n, k):
+    g = torch.Generator(device=DEV).manual_seed(n + m)
+    x, res, nw, w, scale, want, want_res = _norm_case(m, n, k, g)
     y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, scale=scale)
     assert torch.equal(new_res, want_res)
     torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
@@ -128,12 +134,7 @@ def test_split_k_prologues_fp8(m):
     g = torch.Generator(device=DEV).manual_seed(m)
     assert all(_split_tiles(m, k, ref.FP8_DTYPE) for _, k in SHAPES_8B[:4])
     for n, k in (SHAPES_8B[0], SHAPES_8B[2]):
-        x = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
-        res = torch.randn(m, k, device=DEV, dtype=BF16, generator=g)
-        nw = torch.rand(k, device=DEV, dtype=BF16, generator=g) + 0.5
-        w, scale = _fp8_weight(n, k, n)
-        normed, want_res = ref.add_rms_norm(x, res, nw, 1e-6)
-        want = _want(normed, w, scale)
+        x, res, nw, w, scale, want, want_res = _norm_case(m, n, k, g)
         for cfg in _split_tiles(m, k, ref.FP8_DTYPE):
             y, new_res = skinny.skinny_norm_linear(x, res, nw, 1e-6, w, config=cfg,
                                                    scale=scale)
