@@ -21,6 +21,14 @@ Measured, each repeat interleaving the two variants:
 - TTFT of one request with the schema already compiled against one without a constraint;
 - the stall a new schema's compilation causes: the longest gap between tokens of running
   unconstrained streams while a request with a never-seen schema is admitted.
+
+``--grammar-host`` measures the host's share alone, no model and no GPU: per step of
+``--batch-sizes`` matchers of the schema over the vocabulary (the named shape's size), the
+mask fill of every row together (xgrammar's ``BatchGrammarMatcher``, its default threads, as
+``structured.masks`` fills them) and each matcher taking one allowed token, median over
+``--max-tokens`` steps.
+
+    PYTHONPATH=. python benchmarks/structured.py --model llama3.2-1b --grammar-host
 """
 
 from __future__ import annotations
@@ -153,6 +161,44 @@ def compile_stall(llm: LLM, streams: int) -> dict:
             "stall_ms": (max(after) - steady) * 1e3, "compile_s": compile_s}
 
 
+def grammar_host(vocab_size: int, sizes: list[int], steps: int) -> list[dict]:
+    """Per step, the ms to fill ``n`` mask rows together and to let ``n`` matchers take one
+    allowed token each (a random one, seeded), median over ``steps`` steps."""
+    import numpy as np
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tok_dir = byte_level_tokenizer(vocab_size, Path(tempfile.mkdtemp(prefix="so_tok_")))
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(tok_dir)),
+                                                   vocab_size=vocab_size)
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA),
+                                                                 any_whitespace=False)
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in sizes:
+        matchers = [xgrammar.GrammarMatcher(grammar) for _ in range(n)]
+        mask = xgrammar.allocate_token_bitmask(n, vocab_size)
+        batch = xgrammar.BatchGrammarMatcher("auto")
+        fill, accept = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            batch.batch_fill_next_token_bitmask(matchers, mask, list(range(n)))
+            fill.append(time.perf_counter() - t0)
+            bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+            picks = [int(rng.choice(np.flatnonzero(bits[i, :vocab_size - 2])))
+                     for i in range(n)]
+            t0 = time.perf_counter()
+            for m, token in zip(matchers, picks, strict=True):
+                if not m.accept_token(token):
+                    raise RuntimeError(f"the matcher refused token {token} its mask allowed")
+            accept.append(time.perf_counter() - t0)
+        rows.append({"rows": n, "fill_ms": statistics.median(fill) * 1e3,
+                     "accept_ms": statistics.median(accept) * 1e3})
+        print(f"{n} rows: mask fill {rows[-1]['fill_ms']:.3f} ms, accept "
+              f"{rows[-1]['accept_ms']:.3f} ms per step", flush=True)
+    return rows
+
+
 def fallbacks(llm: LLM) -> dict[str, int]:
     """The engine's graph fallbacks so far, by reason."""
     graphs = llm.engine.live_stats.graphs
@@ -174,8 +220,20 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="CPU check: built-in default model")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--grammar-host", action="store_true",
+                   help="only the host's grammar work per step (no model, no GPU)")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
+    if ns.grammar_host:
+        from replaylm.engine.loading import load_model_config
+
+        vocab = load_model_config("default" if ns.tiny else ns.model)[0].vocab_size
+        sizes = [int(b) for b in ns.batch_sizes.split(",")]
+        rows = grammar_host(vocab, sizes, ns.max_tokens)
+        if ns.json:
+            Path(ns.json).write_text(json.dumps({"model": ns.model, "vocab_size": vocab,
+                                                 "grammar_host": rows}, indent=2))
+        return
     kw: dict = {}
     if ns.tiny:
         model, kw = "default", {}
