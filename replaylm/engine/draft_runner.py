@@ -29,6 +29,8 @@ class DraftModelRunner(ModelRunner):
     n > 1 siblings), whose excess requests go undrafted for the step.
     """
 
+    split_tails = False  # drafts are never constrained: no tail graphs
+
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
                  max_model_len: int, spec: SpecConfig) -> None:
         self._setup(args, cfg, max_model_len)

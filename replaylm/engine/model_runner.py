@@ -224,7 +224,7 @@ class ModelRunner(RunnerStartup, KVSizing):
             host_attn_lengths=not self.attn.graph_safe,
             eager_tokens=min(args.max_graph_tokens, args.max_num_batched_tokens),
             graph_check=args.graph_check, rows_per_req=self.rows_per_req,
-            pad_to_agreed=self.dp is not None,
+            pad_to_agreed=self.dp is not None, split_tails=self.split_tails,
         )
         self.buffers = self.graphs.buffers
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample

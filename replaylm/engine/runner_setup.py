@@ -55,6 +55,10 @@ class RunnerStartup:
     ``__init__``. They read the runner's ``args``, ``cfg``, ``device``, ``dtype``, ``attn``,
     ``model``, ``policy``, ``tp``, ``graph_mode`` and ``sampler``."""
 
+    #: Whether the graphs get a tail graph per tier, for steps that fill structured-output
+    #: masks while their forward runs (``graphs.whole``); a draft model samples none.
+    split_tails = True
+
     def _configure_all_reduce(self) -> dict | None:
         """Under tensor parallel, decide how the group sums (``EngineArgs.all_reduce_backend``,
         ``model.allreduce``: measured now, before KV sizing and capture); the report, or None

@@ -109,7 +109,8 @@ class GraphRuntime:
     def __init__(self, model: CausalLM, policy: GraphPolicy, device: torch.device, *,
                  max_num_seqs: int, max_blocks: int, max_model_len: int,
                  host_attn_lengths: bool, eager_tokens: int, graph_check: int = 0,
-                 rows_per_req: int = 1, pad_to_agreed: bool = False) -> None:
+                 rows_per_req: int = 1, pad_to_agreed: bool = False,
+                 split_tails: bool = True) -> None:
         self.model, self.policy, self.device = model, policy, device
         self.mode = policy.mode
         self.pad_to_agreed = pad_to_agreed
@@ -127,6 +128,9 @@ class GraphRuntime:
                                      max_logits=min(top_tokens, max_num_seqs * rows_per_req),
                                      vocab_size=model.cfg.vocab_size)
         self.last_token = self.buffers.last_token
+        # ``split_tails``: a tail graph per whole-model tier, for steps run in two halves
+        # (``run``'s ``between``); a runner that never gets one (a draft model's) has none.
+        self.split_tails = split_tails
         self.whole = (WholeModelGraphs(model, self.buffers, max_num_seqs, top)
                       if policy.uses_whole else None)
         self.piecewise = (PiecewiseGraphs(model, self.buffers, top, host_attn_lengths)
@@ -181,8 +185,9 @@ class GraphRuntime:
                 if mode == "piecewise":
                     nodes = self.piecewise.capture(tier, new_graph)
                 else:
+                    tail_graph = new_graph(f"{mode}:{tier}:tail") if self.split_tails else None
                     nodes, tail = self.whole.capture(mode, tier, new_graph(f"{mode}:{tier}"),
-                                                     new_graph(f"{mode}:{tier}:tail"))
+                                                     tail_graph)
                     if tail is not None:
                         self.stats.tail_nodes[f"{mode}:{tier}"] = tail
                 if nodes is not None:

@@ -98,15 +98,17 @@ class WholeModelGraphs:
         slots = min(tier, self.max_num_seqs)
         return self.buffers.view(tier, slots, min(tier, self.max_logits), max_q_len=tier)
 
-    def capture(self, mode: str, tier: int, graph: Graph, tail: Graph) -> tuple[int | None,
-                                                                                int | None]:
-        """Capture the step of ``mode``'s ``tier`` into ``graph``, then its tail alone into
-        ``tail``; returns their node counts."""
+    def capture(self, mode: str, tier: int, graph: Graph, tail: Graph | None
+                ) -> tuple[int | None, int | None]:
+        """Capture the step of ``mode``'s ``tier`` into ``graph``, then (unless ``tail`` is
+        None) its tail alone into ``tail``; returns their node counts."""
         batch = self.view(mode, tier)
         out = self.logits_buf[: len(batch.logits_indices)]
         graph.capture(lambda: run_whole_model(self.model, self.buffers, batch, out))
-        tail.capture(lambda: [step_tail(self.buffers, out, batch)])
         self.graphs[(mode, tier)] = graph
+        if tail is None:
+            return graph.num_nodes(), None
+        tail.capture(lambda: [step_tail(self.buffers, out, batch)])
         self.tails[(mode, tier)] = tail
         return graph.num_nodes(), tail.num_nodes()
 

@@ -80,6 +80,9 @@ def test_greedy_output_equals_plain_under_preemption(target_dir, other_dir, plai
     if mode != "eager":
         gs = llm.engine.drafter.runner.graphs.stats.as_dict()
         assert sum(gs["hits"].values()) > 0 and gs["checks"] > 0  # the draft's own graphs
+        assert not gs["tail_nodes"]  # drafts are never constrained: no tail graphs
+        if llm.engine.runner.graphs.whole is not None:
+            assert llm.engine.runner.graphs.stats.as_dict()["tail_nodes"]  # the target's
 
 
 def test_adaptive_budget_speculates_with_a_draft_model(target_dir, plain_traffic):
