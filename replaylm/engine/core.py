@@ -258,7 +258,7 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
 
         def before_launch() -> None:  # the host batch is built; nothing is on the device yet
             if structured.busy:
-                structured.begin(out)  # slot flags; this step's constrained rows allow all
+                structured.begin(out)  # slot flags
             obs.launching()
 
         def between() -> None:  # the forward is on the device, the tail (masks) is not

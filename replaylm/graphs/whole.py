@@ -9,16 +9,16 @@ are keyed by request count, every request one token (``tier`` tokens, ``tier`` s
 lengths whose total fits replays one graph.
 
 Each tier holds two graphs, captured in this order into the runtime's one pool: the step
-graph (forward and tail together) and a tail graph (the tail alone, two nodes on CUDA: the
-mask and the argmax). A step replays the step graph; a step whose masks are filled on the
-host while its forward runs (``run``'s ``between``: a step that samples a constrained
-request) replays the step graph with those rows' masks allowing every token
-(``structured.masks``), runs ``between``, then replays the tail graph, which masks the
-logits in place and writes the greedy samples again. Unconstrained steps thus keep one graph
-launch; a constrained step costs one more launch and, on the device, the step graph's
-argmax over rows the tail recomputes. The tail graph reads only static buffers (the logits
-buffer, masks, flags, sampled slots); its own memory is the samples it returns and the
-argmax's per-chunk partials (a few KiB), so it adds next to no graph memory.
+graph (the forward and the greedy argmax, without masks) and a tail graph (the tail alone,
+two nodes on CUDA: the mask and the argmax). A step replays the step graph. Only a step that
+samples a constrained request needs masks, and the engine fills those while its forward
+runs (``run``'s ``between``, ``structured.masks``): it replays the step graph, runs
+``between``, then replays the tail graph, which masks the logits in place and writes the
+greedy samples again. Unconstrained steps thus keep one graph launch and no mask node; a
+constrained step costs one more launch and, on the device, the step graph's argmax over rows
+the tail recomputes. The tail graph reads only static buffers (the logits buffer, masks,
+flags, sampled slots); its own memory is the samples it returns and the argmax's per-chunk
+partials (a few KiB), so it adds next to no graph memory.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class WholeModelGraphs:
         None) its tail alone into ``tail``; returns their node counts."""
         batch = self.view(mode, tier)
         out = self.logits_buf[: len(batch.logits_indices)]
-        graph.capture(lambda: run_whole_model(self.model, self.buffers, batch, out))
+        graph.capture(lambda: run_whole_model(self.model, self.buffers, batch, out,
+                                              masks=False))
         self.graphs[(mode, tier)] = graph
         if tail is None:
             return graph.num_nodes(), None

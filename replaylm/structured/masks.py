@@ -10,14 +10,12 @@ other.
 
 **A step in two halves.** A step that samples a constrained request (``in_step``) runs its
 forward before its masks exist: ``begin`` (before the step's first device operation) sets the
-slot flags of newly slotted requests and makes the rows of the step's constrained requests
-allow every token on the device, so the forward graph's own mask leaves their logits as they
-are; the model runner then launches the forward, and only then does the engine wait for the
-step in flight, let the grammars take its tokens (``advance``) and fill the masks
-(``prepare``), while the device runs the forward; the step's tail, launched after that, masks
-the rows and takes their greedy samples (``EngineCore.launch``, ``ModelRunner.execute``'s
-``on_forward``). Steps that sample no constrained request run ``begin`` alone (slot flags)
-and the forward graph with its tail in one piece.
+slot flags of newly slotted requests; the model runner then launches the forward (the step
+graph applies no masks), and only then does the engine wait for the step in flight, let the
+grammars take its tokens (``advance``) and fill the masks (``prepare``), while the device
+runs the forward; the step's tail, launched after that, masks the rows and takes their
+greedy samples (``EngineCore.launch``, ``ModelRunner.execute``'s ``on_forward``). Steps that
+sample no constrained request run ``begin`` alone (slot flags) and the step graph alone.
 
 **Overlap rule.** A mask for step N+1 depends on the token step N samples, and with overlap
 scheduling step N+1 is scheduled and its forward launched while step N runs: every mask is
@@ -110,9 +108,7 @@ class StructuredOutputs:
 
     def begin(self, out: Any) -> None:
         """Before step ``out``'s first device operation: the slot flags of newly slotted
-        requests, and, where the step samples constrained requests, their device rows set to
-        allow every token until ``prepare`` fills them (the forward's own mask then changes
-        nothing on them). Stream-ordered with the step."""
+        requests (stream-ordered with the step)."""
         done = [r for r in self.requests if r.is_finished]
         for req in done:
             self.requests.discard(req)
@@ -121,9 +117,6 @@ class StructuredOutputs:
                 self._set_flag(slot, None)
         for req in out.newly_slotted:
             self._set_flag(req.slot, req if req.grammar is not None else None)
-        rows = self._rows(out)
-        if rows:
-            self.device_mask[min(rows): max(rows) + 1].fill_(-1)
 
     def prepare(self, out: Any) -> None:
         """The mask row of every constrained request step ``out`` samples, from its grammar's
