@@ -52,9 +52,8 @@ class StepInput:
 def sent_to_group(accept: Accept | None, tp: TensorParallel) -> Accept:
     """The leader's tokens, broadcast to the tensor-parallel group: those its ``accept`` kept,
     or (None) those it sampled. One ``[L]`` int64 broadcast, outside the graphs."""
-    if accept is None:
-        return lambda logits, tokens: tp.broadcast(tokens.contiguous())
-    return lambda logits, tokens: tp.broadcast(accept(logits, tokens).contiguous())
+    keep = accept if accept is not None else (lambda logits, tokens: tokens)
+    return lambda logits, tokens: tp.broadcast(keep(logits, tokens).contiguous())
 
 
 def from_leader(tp: TensorParallel) -> Accept:

@@ -32,6 +32,7 @@ from replaylm.graphs.graph import Graph
 from replaylm.graphs.piecewise import PiecewiseGraphs
 from replaylm.graphs.policy import Dispatch, GraphPolicy
 from replaylm.graphs.whole import WholeModelGraphs, run_whole_model, step_logits, step_tail
+from replaylm.memory.arena import Arena
 from replaylm.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class GraphRuntime:
 
     # Capture -----------------------------------------------------------------------------
 
-    def capture(self, arena=None) -> None:
+    def capture(self, arena: Arena | None = None) -> None:
         """Capture every graph of the policy; ``arena``: the engine's address-stable regions
         (``memory.arena``), whose mapped chunks the pointer audit then knows as captured."""
         jobs = self.policy.capture_order()
@@ -215,7 +216,7 @@ class GraphRuntime:
             out += [g for links in self.piecewise.links.values() for g in links]
         return out
 
-    def audit(self, arena=None) -> AuditReport:
+    def audit(self, arena: Arena | None = None) -> AuditReport:
         """The pointer audit of every captured graph (``graphs.audit``): raises
         ``GraphAuditError`` if one holds an address of unmapped or freed memory; ``arena``:
         the engine's address-stable regions (``memory.arena``), if any."""
@@ -294,8 +295,8 @@ class GraphRuntime:
         ``between``: called once the step's forward is launched and before its tail (the
         masks and the greedy samples, ``graphs.whole``) is, so the tail reads what it wrote
         (``structured.masks``: a constrained step's masks); the device runs the forward
-        meanwhile. Without it the tail follows the forward at once (whole-model graphs:
-        inside the same graph)."""
+        meanwhile. Without it no sampled row is constrained, so the step needs no masks:
+        whole-model graphs take the greedy samples inside the step graph."""
         if eager_reason is not None and agree is None:
             d = Dispatch("eager", reason=eager_reason)
         else:

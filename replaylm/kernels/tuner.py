@@ -119,9 +119,9 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weights: Sequence[torch.
 @functools.cache
 def kernels_revision() -> str:
     """A digest of what the decisions depend on: the Triton sources of the skinny kernel (and
-    its split-K reduction) and of the separate norm and SiLU·mul kernels the fused prologues are timed against, the
-    FP8 weights' unfused path (``fp8_linear``), the tile candidates and the decision rule
-    (``_tune``). An edited kernel or rule invalidates
+    its split-K reduction) and of the separate norm and SiLU·mul kernels the fused prologues
+    are timed against, the FP8 weights' unfused path (``fp8_linear``), the tile candidates
+    and the decision rule (``pick_tile``, ``_tune``). An edited kernel or rule invalidates
     the decisions cached on disk; an edit of other host code or docs does not."""
     digest = hashlib.sha1(repr((skinny.CANDIDATES, skinny.CANDIDATES_FP8, skinny.MAX_UNROLL,
                                 skinny.MAX_M, skinny_split.SPLIT_CANDIDATES,

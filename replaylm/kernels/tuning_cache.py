@@ -30,8 +30,8 @@ from replaylm.kernels import pdl
 
 log = logging.getLogger(__name__)
 
-#: A tuner decision: (skinny-kernel config (``skinny._launch``), or None for the unfused path; its µs; the
-#: unfused path's µs).
+#: A tuner decision: (skinny-kernel config (``skinny._launch``), or None for the unfused
+#: path; its µs; the unfused path's µs).
 Decision = tuple[tuple[int, ...] | None, float, float]
 
 #: Where the shipped tables live (package data).
