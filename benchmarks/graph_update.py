@@ -85,10 +85,11 @@ def _bits(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def measure_graph(graph, state: list[torch.Tensor] = ()) -> dict:
-    """(b) and (c) for one captured ``graphs.graph.Graph``. ``state``: tensors the graph both
-    reads and writes (the runner's ``last_token``: a step samples into what the next one
-    reads), put back before the fresh capture's replay so both replays read the same
-    inputs."""
+    """(b) and (c) for one captured ``graphs.graph.Graph``. ``state``: tensors outside the
+    graph's static buffers that it both reads and writes (the runner's ``last_token``: a step
+    samples into what the next one reads). Those and every static buffer (a piecewise link
+    adds into its residual buffer in place) are put back before the fresh capture's replay,
+    so both replays read the same inputs."""
     row: dict = {"graph": graph.name}
     # (b): a fresh capture, then patch the engine's executable graph from it.
     fresh, outs, row["capture_s"] = _fresh(graph)
@@ -98,10 +99,12 @@ def measure_graph(graph, state: list[torch.Tensor] = ()) -> dict:
     torch.cuda.synchronize()
     row["update_s"] = time.perf_counter() - t0
     if row["update_result"] == "success":
-        kept = [t.clone() for t in state]
+        inputs = [*state, *(t for get in graph.static.values()
+                             if isinstance(t := get(), torch.Tensor))]
+        kept = [t.clone() for t in inputs]
         graph.graph.replay()  # now writes where the fresh capture writes
         patched = _bits(outs)
-        for t, k in zip(state, kept, strict=True):
+        for t, k in zip(inputs, kept, strict=True):
             t.copy_(k)
         fresh.instantiate()
         fresh.replay()

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import make_checkpoint
@@ -39,3 +44,40 @@ def pytest_collection_modifyitems(config, items):
         smoke = kind in SMOKE_KINDS and (modes is None or mode is None or mode in modes)
         if not smoke:
             item.own_markers = [m for m in item.own_markers if m.name != "smoke"]
+
+
+def _lock(path: Path, mode: int):
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, mode)
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist (``pytest -m gpu -n 4``) the workers share one GPU. A test marked
+    ``exclusive`` (it reads the device's free memory) runs while no other worker's test
+    does: it holds the gate while it waits, so no new test starts, then takes the device
+    lock exclusively; every other test passes the gate and holds the device lock shared.
+    The locks cover the whole protocol, so module fixtures (engines) are set up and torn
+    down under them too."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"replaylm-gpu-{run}"
+    gate = _lock(base.with_suffix(".gate"), fcntl.LOCK_EX)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    device = _lock(base.with_suffix(".device"), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    if not exclusive:
+        _unlock(gate)
+    try:
+        yield
+    finally:
+        _unlock(device)
+        if exclusive:
+            _unlock(gate)

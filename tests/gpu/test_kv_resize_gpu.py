@@ -13,6 +13,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.exclusive,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
