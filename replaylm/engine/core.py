@@ -19,7 +19,7 @@ from replaylm.engine.output_processor import OutputState, attach_logprobs, make_
 from replaylm.engine.outputs import RequestDelta
 from replaylm.engine.request import Request, RequestStatus
 from replaylm.engine.scheduler import Scheduler, SchedulerOutput
-from replaylm.engine.speculation import Speculation
+from replaylm.engine.speculation import Speculation, SpeculationAccess
 from replaylm.engine.stats import EngineStats, StepRecord
 from replaylm.engine.validation import RequestChecks, resolve_max_model_len
 from replaylm.engine.weights_and_sleep import WeightsAndSleep
@@ -28,15 +28,12 @@ from replaylm.lora.manager import LoRAManager
 from replaylm.lora.request import LoRARequest
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.sampling_params import SamplingParams
-from replaylm.speculative.adaptive import AdaptiveBudget
-from replaylm.speculative.protocol import Drafter
-from replaylm.speculative.stats import SpecStats
 from replaylm.structured.masks import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
 
-class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
+class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAccess):
     """Owns the scheduler, block manager and model runner; ``step()`` advances every request."""
 
     def __init__(self, args: EngineArgs, tp: TensorParallel | None = None,
@@ -233,7 +230,7 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
         self.step_observer.begin()
         if self.speculation is None:
             out = self.scheduler.schedule()
-            launched, deltas = self.launch(out)
+            launched, deltas = self.launch(out, apply_inflight=True)
             for due in self.due(launched, keep_in_flight=self.overlap):
                 deltas += self.resolve(due)
         else:
@@ -242,12 +239,14 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
         self.step_observer.end(launched is not None)
         return deltas
 
-    def launch(self, out: SchedulerOutput) -> tuple[Launched | None, list[RequestDelta]]:
+    def launch(self, out: SchedulerOutput, apply_inflight: bool = False
+               ) -> tuple[Launched | None, list[RequestDelta]]:
         """Launch ``out``; the launched step, and the deltas of requests that failed on the way
         in. Nothing waits for the device but a step that samples a constrained request: once
         its forward is launched, it waits for the step in flight, whose tokens its grammars
-        take before its masks are filled (``structured.masks``). A data-parallel rank with
-        nothing scheduled runs its part of the ranks' step idle."""
+        take before its masks are filled (``structured.masks``); with ``apply_inflight`` that
+        step is then applied while the masks fill, and its deltas come first. A data-parallel
+        rank with nothing scheduled runs its part of the ranks' step idle."""
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
             if self.agree is not None:
@@ -255,22 +254,33 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
             return None, []
         obs, structured = self.step_observer, self.structured
         split = structured.in_step(out)  # its masks are filled while its forward runs
+        inflight = self.inflight
+        applied: list[RequestDelta] | None = None
 
         def before_launch() -> None:  # the host batch is built; nothing is on the device yet
             if structured.busy:
                 structured.begin(out)  # slot flags
             obs.launching()
 
+        def apply() -> None:  # the step in flight, after this one (launched) in the books
+            nonlocal applied
+            self.scheduler.launched(out)
+            applied = self.resolve(inflight)
+
         def between() -> None:  # the forward is on the device, the tail (masks) is not
-            if self.inflight is not None:
-                self.advance_grammars(self.inflight)  # the masks continue its tokens
-            structured.prepare(out)
+            if inflight is not None:
+                self.advance_grammars(inflight)  # the masks continue its tokens
+            structured.prepare(out, apply if apply_inflight and inflight is not None else None)
 
         pending, dispatch, padded = self.runner.execute(
             out, on_launch=before_launch, agree=self.agree, on_forward=between if split else None)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
-        self.scheduler.launched(out)
-        errors = [self._fail(req, e) for req, e in self.runner.sampler.take_failed()]
+        if applied is None:
+            self.scheduler.launched(out)
+        else:
+            self.inflight = None  # applied while the masks filled
+        errors = (applied or []) + [self._fail(req, e)
+                                    for req, e in self.runner.sampler.take_failed()]
         self.stats.record_step(StepRecord(
             mode=dispatch.mode, tier=dispatch.tier, real_tokens=out.num_batched_tokens,
             padded_tokens=padded, num_reqs=len(out.scheduled),
@@ -326,29 +336,6 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep):
             self.stats.generated_tokens += len(delta.new_token_ids)
             deltas.append(self._delta(req, delta))
         return deltas
-
-    # Speculative decoding, as callers see it ---------------------------------------------------
-
-    @property
-    def spec_stats(self) -> SpecStats | None:
-        return self.speculation.stats if self.speculation is not None else None
-
-    @property
-    def drafter(self) -> Drafter | None:
-        """The drafter proposing drafts (None without speculative decoding)."""
-        return self.speculation.drafter if self.speculation is not None else None
-
-    @property
-    def budget(self) -> AdaptiveBudget | None:
-        """The adaptive draft budget (None unless ``speculative_config`` asks for it)."""
-        return self.speculation.budget if self.speculation is not None else None
-
-    def use_drafter(self, drafter: Drafter) -> None:
-        """Propose drafts with ``drafter`` from the next step on (``Speculation.use``)."""
-        if self.speculation is None:
-            raise ValueError("use_drafter needs speculative decoding on "
-                             "(EngineArgs.speculative_config)")
-        self.speculation.use(drafter)
 
     # Bookkeeping -------------------------------------------------------------------------------
 

@@ -167,3 +167,30 @@ class Speculation:
         self.budget.shadow_round(self.drafter, candidates)
         self.stats.draft_seconds += time.perf_counter() - t0
         self.stats.coast_steps += 1
+
+
+class SpeculationAccess:
+    """Speculative decoding as callers of the engine core see it (``EngineCore``)."""
+
+    speculation: Speculation | None
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        return self.speculation.stats if self.speculation is not None else None
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The drafter proposing drafts (None without speculative decoding)."""
+        return self.speculation.drafter if self.speculation is not None else None
+
+    @property
+    def budget(self) -> AdaptiveBudget | None:
+        """The adaptive draft budget (None unless ``speculative_config`` asks for it)."""
+        return self.speculation.budget if self.speculation is not None else None
+
+    def use_drafter(self, drafter: Drafter) -> None:
+        """Propose drafts with ``drafter`` from the next step on (``Speculation.use``)."""
+        if self.speculation is None:
+            raise ValueError("use_drafter needs speculative decoding on "
+                             "(EngineArgs.speculative_config)")
+        self.speculation.use(drafter)

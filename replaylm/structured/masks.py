@@ -31,6 +31,12 @@ device in one copy of the slot range they span. A request whose grammar terminat
 step in flight finishes when that step is applied, so its row allows every token (whatever
 it samples is dropped).
 
+**Applying the step in flight meanwhile.** The fill holds no GIL, so ``prepare`` runs it on a
+worker thread while the engine thread applies the step in flight (``alongside``: outputs,
+stop checks, detokenizing), the host work that would otherwise follow the tail's launch.
+Nothing the apply does reads a matcher being filled: whether a grammar terminated is noted
+when it takes its tokens (``advance``), before the fill starts.
+
 **Speculative decoding.** Constrained requests do not draft (``engine.speculation``): their
 steps sample one row each, so one mask row per slot suffices. A verify step's accepted tokens
 would all be accepted here (``advance`` walks every emitted token), but drafting under a
@@ -50,6 +56,8 @@ allowed; accepting one terminates the matcher. A request whose matcher terminate
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -78,6 +86,8 @@ class StructuredOutputs:
         self._owner: list[Any] = [None] * slots  # the constrained request a flag is on for
         self.requests: set[Any] = set()  # unfinished constrained requests
         self._batcher: Any = None  # xgrammar.BatchGrammarMatcher, made at the first batch
+        self._filler: ThreadPoolExecutor | None = None  # fills while the engine thread applies
+        self._terminated: set[Any] = set()  # requests whose grammar took its stop token
 
     @property
     def busy(self) -> bool:
@@ -95,6 +105,7 @@ class StructuredOutputs:
         if req.grammar is None:
             return
         self.requests.discard(req)
+        self._terminated.discard(req)
         for slot, owner in enumerate(self._owner):  # its slot may be released already
             if owner is req:
                 self._set_flag(slot, None)
@@ -112,16 +123,18 @@ class StructuredOutputs:
         done = [r for r in self.requests if r.is_finished]
         for req in done:
             self.requests.discard(req)
+            self._terminated.discard(req)
         for slot, owner in enumerate(self._owner) if done else ():
             if owner is not None and owner.is_finished:  # its slot is free (or newly taken)
                 self._set_flag(slot, None)
         for req in out.newly_slotted:
             self._set_flag(req.slot, req if req.grammar is not None else None)
 
-    def prepare(self, out: Any) -> None:
+    def prepare(self, out: Any, alongside: Callable[[], None] | None = None) -> None:
         """The mask row of every constrained request step ``out`` samples, from its grammar's
         current state, copied to the device (stream-ordered after the step's forward, before
-        its tail). ``begin`` ran for the step before."""
+        its tail). ``begin`` ran for the step before. ``alongside``: host work run on this
+        thread while a worker thread fills the rows (it must not touch a matcher)."""
         matchers, slots = [], []
         for s in out.scheduled:
             req = s.request
@@ -132,14 +145,28 @@ class StructuredOutputs:
             else:
                 matchers.append(req.grammar)
                 slots.append(req.slot)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(self.host_mask, slots[0])
-        elif matchers:
-            self._batch().batch_fill_next_token_bitmask(matchers, self.host_mask, slots)
+        if alongside is None or not matchers:
+            self._fill(matchers, slots)
+            if alongside is not None:
+                alongside()
+        else:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="replaylm-masks")
+            filling = self._filler.submit(self._fill, matchers, slots)
+            try:
+                alongside()
+            finally:
+                filling.result()
         rows = self._rows(out)
         if rows:
             lo, hi = min(rows), max(rows) + 1
             self.device_mask[lo:hi].copy_(self.host_mask[lo:hi], non_blocking=True)
+
+    def _fill(self, matchers: list[Any], slots: list[int]) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(self.host_mask, slots[0])
+        elif matchers:
+            self._batch().batch_fill_next_token_bitmask(matchers, self.host_mask, slots)
 
     @staticmethod
     def _rows(out: Any) -> list[int]:
@@ -186,9 +213,11 @@ class StructuredOutputs:
                     failed.append((req, ValueError(
                         f"token {token} does not continue the request's structured output")))
                     break
+            if req.grammar.is_terminated():
+                self._terminated.add(req)
         return failed
 
-    @staticmethod
-    def finished_by_grammar(req: Any) -> bool:
-        """A running request whose grammar has terminated (it accepted a stop token)."""
-        return req.grammar is not None and not req.is_finished and req.grammar.is_terminated()
+    def finished_by_grammar(self, req: Any) -> bool:
+        """A running request whose grammar has terminated (it accepted a stop token, as
+        ``advance`` noted)."""
+        return not req.is_finished and req in self._terminated

@@ -1,6 +1,7 @@
 """A constrained step in two halves (``structured.masks``, ``graphs.whole``): its forward is
 launched before the step in flight is waited for, the grammars advance and the masks are
-filled after that wait, and its tail (mask, greedy argmax, sampler) comes last; outputs are
+filled after that wait (on a worker thread, while the engine thread applies the step in
+flight), and its tail (mask, greedy argmax, sampler) comes last; outputs are
 those of an eager engine without overlap scheduling, in every graph mode (CPU stand-in, with
 graph checks and poisoned padding on), with constrained and unconstrained requests mixed, and
 through speculative verify steps."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -69,18 +71,24 @@ def reference() -> list[list[int]]:
 def _instrument(core, monkeypatch) -> list:
     """Log, in host order: each launch (its schedule, whether it samples a constrained
     request, the step in flight), every forward (the LM head), every real wait for a step's
-    tokens, every mask fill, every greedy argmax (the tail), and whether each launched step
-    was kept in flight."""
+    tokens, every mask fill, every step applied, every greedy argmax (the tail), whether each
+    launched step was kept in flight, and the scheduler's integrity after each step."""
     log: list = []
     model, structured = core.runner.model, core.structured
     compute, wait, prepare = model.compute_logits, core.wait, structured.prepare
-    launch, due, argmax = core.launch, core.due, whole.argmax_rows
+    launch, due, argmax, apply = core.launch, core.due, whole.argmax_rows, core.apply
+    step = core.step
 
-    def logged_launch(out):
+    def logged_launch(out, **kw):
         log.append(("launch", structured.in_step(out), core.inflight))
-        launched, errors = launch(out)
+        launched, errors = launch(out, **kw)
         log.append(("launched", launched))
         return launched, errors
+
+    def checked_step():
+        deltas = step()
+        core.scheduler.check_integrity()
+        return deltas
 
     def logged_wait(step):
         if step.sampled is None:
@@ -94,8 +102,11 @@ def _instrument(core, monkeypatch) -> list:
     monkeypatch.setattr(core, "launch", logged_launch)
     monkeypatch.setattr(core, "wait", logged_wait)
     monkeypatch.setattr(core, "due", logged_due)
-    monkeypatch.setattr(structured, "prepare", lambda out: (log.append(("prepare",)),
-                                                            prepare(out))[1])
+    monkeypatch.setattr(core, "step", checked_step)
+    monkeypatch.setattr(core, "apply", lambda st, sampled: (log.append(("apply", st)),
+                                                            apply(st, sampled))[1])
+    monkeypatch.setattr(structured, "prepare", lambda out, alongside=None: (
+        log.append(("prepare",)), prepare(out, alongside))[1])
     monkeypatch.setattr(model, "compute_logits", lambda *a, **k: (log.append(("forward",)),
                                                                   compute(*a, **k))[1])
     monkeypatch.setattr(whole, "argmax_rows", lambda *a, **k: (log.append(("argmax",)),
@@ -134,14 +145,17 @@ def test_forward_runs_before_the_wait_and_outputs_are_unchanged(mode, reference,
     assert len(overlapped) >= 5, launches
     for inflight, ev in overlapped:
         # The step's forward, then the wait for the step in flight (nothing else waited for),
-        # then the mask fill, then the tail's argmax.
+        # then the mask fill, during which the step in flight is applied, then the tail's
+        # argmax.
         forward, waited = _first(ev, "forward"), _first(ev, "wait")
         filled = _first(ev, "prepare")
-        assert forward < waited < filled < _first(ev, "argmax", filled), ev
+        applied = _first(ev, "apply", filled)
+        assert forward < waited < filled < applied < _first(ev, "argmax", filled), ev
         assert [e[1] for e in ev if e[0] == "wait"] == [inflight]
+        assert [e[1] for e in ev if e[0] == "apply"] == [inflight]
     for constrained, _, ev, _ in launches:
         if not constrained:  # nothing waits inside the launch of an unconstrained step
-            assert not [e for e in ev if e[0] in ("wait", "prepare")], ev
+            assert not [e for e in ev if e[0] in ("wait", "prepare", "apply")], ev
     # Constrained steps stay in flight like any other.
     split_steps = {id(launched) for constrained, _, _, launched in launches if constrained}
     kept = [e[2] for e in log if e[0] == "kept" and id(e[1]) in split_steps]
@@ -169,3 +183,37 @@ def test_verify_steps_with_constrained_rows(mode, reference):
     assert _tokens(outs) == reference
     assert llm.spec_stats()["draft_tokens"] > 0
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "ragged"])
+def test_masks_fill_on_a_worker_while_the_step_in_flight_is_applied(mode, reference,
+                                                                    monkeypatch):
+    """Each fill beside a step in flight runs off the engine thread and waits until the engine
+    thread applies that step: a fill that ran before or after the apply, or on the engine
+    thread, would time out or not be counted."""
+    llm = _engine(mode)
+    core, structured = llm.engine, llm.engine.structured
+    applying = threading.Event()
+    fill, apply, prepare = structured._fill, core.apply, structured.prepare
+    overlapped: list[bool] = []
+
+    def prepare_fresh(out, alongside=None):
+        applying.clear()
+        return prepare(out, alongside)
+
+    def fill_meanwhile(matchers, slots):
+        if threading.current_thread() is not threading.main_thread():
+            overlapped.append(applying.wait(timeout=10))
+        fill(matchers, slots)
+
+    def applied(step, sampled):
+        applying.set()
+        return apply(step, sampled)
+
+    monkeypatch.setattr(structured, "prepare", prepare_fresh)
+    monkeypatch.setattr(structured, "_fill", fill_meanwhile)
+    monkeypatch.setattr(core, "apply", applied)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(outs) == reference
+    assert len(overlapped) >= 5 and all(overlapped), overlapped
+    assert not core.has_unfinished() and core.block_manager.num_used_blocks == 0

@@ -187,12 +187,12 @@ def test_constrained_steps_overlap_with_current_grammar(eager, monkeypatch):
                 accepted[s.request.request_id] = accepted.get(s.request.request_id, 0) + 1
         return advance(out, sampled)
 
-    def checking_prepare(out):
+    def checking_prepare(out, alongside=None):
         for s in out.scheduled:
             req = s.request
             if s.sample and req.grammar is not None and not req.grammar.is_terminated():
                 assert accepted.get(req.request_id, 0) == req.num_output_tokens + req.num_pending
-        prepare(out)
+        prepare(out, alongside)
 
     monkeypatch.setattr(structured, "advance", counting_advance)
     monkeypatch.setattr(structured, "prepare", checking_prepare)
