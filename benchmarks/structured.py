@@ -26,7 +26,10 @@ Measured, each repeat interleaving the two variants:
 ``--batch-sizes`` matchers of the schema over the vocabulary (the named shape's size), the
 mask fill of every row together (xgrammar's ``BatchGrammarMatcher``, its default threads, as
 ``structured.masks`` fills them) and each matcher taking one allowed token, median over
-``--max-tokens`` steps.
+``--max-tokens`` steps. Beside each fill it times the choice ``structured.masks`` makes
+between filling and then applying the step in flight, and applying it on a worker thread
+while this one fills: Python work as long as the fill alone, in turn with the fill and on a
+worker during it (``apply_beside_rows`` is the row count from which the worker wins).
 
     PYTHONPATH=. python benchmarks/structured.py --model llama3.2-1b --grammar-host
 """
@@ -40,6 +43,7 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from replaylm import LLM, SamplingParams
@@ -175,15 +179,26 @@ def grammar_host(vocab_size: int, sizes: list[int], steps: int) -> list[dict]:
                                                                  any_whitespace=False)
     rng = np.random.default_rng(0)
     rows = []
+    worker = ThreadPoolExecutor(1)
     for n in sizes:
         matchers = [xgrammar.GrammarMatcher(grammar) for _ in range(n)]
         mask = xgrammar.allocate_token_bitmask(n, vocab_size)
         batch = xgrammar.BatchGrammarMatcher("auto")
-        fill, accept = [], []
+        fill, accept, in_turn, beside = [], [], [], []
+
         for _ in range(steps):
             t0 = time.perf_counter()
-            batch.batch_fill_next_token_bitmask(matchers, mask, list(range(n)))
+            _fill_rows(batch, matchers, mask)
             fill.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _fill_rows(batch, matchers, mask)
+            _python_work(fill[-1])
+            in_turn.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            applying = worker.submit(_python_work, fill[-1])
+            _fill_rows(batch, matchers, mask)
+            applying.result()
+            beside.append(time.perf_counter() - t0)
             bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
             picks = [int(rng.choice(np.flatnonzero(bits[i, :vocab_size - 2])))
                      for i in range(n)]
@@ -193,10 +208,30 @@ def grammar_host(vocab_size: int, sizes: list[int], steps: int) -> list[dict]:
                     raise RuntimeError(f"the matcher refused token {token} its mask allowed")
             accept.append(time.perf_counter() - t0)
         rows.append({"rows": n, "fill_ms": statistics.median(fill) * 1e3,
-                     "accept_ms": statistics.median(accept) * 1e3})
-        print(f"{n} rows: mask fill {rows[-1]['fill_ms']:.3f} ms, accept "
-              f"{rows[-1]['accept_ms']:.3f} ms per step", flush=True)
+                     "accept_ms": statistics.median(accept) * 1e3,
+                     "fill_then_apply_ms": statistics.median(in_turn) * 1e3,
+                     "apply_beside_ms": statistics.median(beside) * 1e3})
+        r = rows[-1]
+        print(f"{n} rows: mask fill {r['fill_ms']:.3f} ms, accept {r['accept_ms']:.3f} ms per "
+              f"step; with as much Python work: in turn {r['fill_then_apply_ms']:.3f} ms, on a "
+              f"worker beside the fill {r['apply_beside_ms']:.3f} ms", flush=True)
+    worker.shutdown()
     return rows
+
+
+def _fill_rows(batch, matchers: list, mask) -> None:
+    """Every matcher's row of ``mask``, as ``structured.masks`` fills them."""
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(mask, 0)
+    else:
+        batch.batch_fill_next_token_bitmask(matchers, mask, list(range(len(matchers))))
+
+
+def _python_work(seconds: float) -> None:
+    """Pure Python for ``seconds`` (an apply's share of the GIL)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def fallbacks(llm: LLM) -> dict[str, int]:

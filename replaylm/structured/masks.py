@@ -31,11 +31,18 @@ device in one copy of the slot range they span. A request whose grammar terminat
 step in flight finishes when that step is applied, so its row allows every token (whatever
 it samples is dropped).
 
-**Applying the step in flight meanwhile.** The fill holds no GIL, so ``prepare`` runs it on a
-worker thread while the engine thread applies the step in flight (``alongside``: outputs,
-stop checks, detokenizing), the host work that would otherwise follow the tail's launch.
-Nothing the apply does reads a matcher being filled: whether a grammar terminated is noted
-when it takes its tokens (``advance``), before the fill starts.
+**Applying the step in flight meanwhile.** The fill holds no GIL (xgrammar's C++), so while
+the engine thread fills, a worker thread applies the step in flight (``alongside``: outputs,
+stop checks, detokenizing), the host work that would otherwise follow the tail's launch; the
+engine thread waits for it before the tail. The roles are not the other way round: the
+engine thread holds the GIL as it enters the fill, whereas a fill started on a worker would
+wait for the GIL until the engine thread's apply let go of it (every switch interval, 5 ms),
+that is, until the apply ended. One thread at a time runs the engine's Python, so the apply
+needs no locks; nothing it does reads a matcher being filled (whether a grammar terminated
+is noted when it takes its tokens, in ``advance``, before the fill starts). A step with fewer
+than ``StructuredOutputs.apply_beside_rows`` constrained rows fills and applies in turn:
+handing the apply to the worker and back costs about what a fill of one to three rows over a
+128k vocabulary saves (``benchmarks/structured.py --grammar-host``).
 
 **Speculative decoding.** Constrained requests do not draft (``engine.speculation``): their
 steps sample one row each, so one mask row per slot suffices. A verify step's accepted tokens
@@ -73,6 +80,9 @@ class StructuredOutputs:
     ``token_bitmask`` and ``bitmask_on`` on the device, and ``bitmask_any``, kept here.
     """
 
+    #: Fewest rows to fill for which the step in flight is applied on the worker meanwhile.
+    apply_beside_rows = 4
+
     def __init__(self, buffers: StaticBuffers, vocab_size: int) -> None:
         self.buffers = buffers
         token_bitmask, bitmask_on = buffers.token_bitmask, buffers.bitmask_on
@@ -86,7 +96,7 @@ class StructuredOutputs:
         self._owner: list[Any] = [None] * slots  # the constrained request a flag is on for
         self.requests: set[Any] = set()  # unfinished constrained requests
         self._batcher: Any = None  # xgrammar.BatchGrammarMatcher, made at the first batch
-        self._filler: ThreadPoolExecutor | None = None  # fills while the engine thread applies
+        self._applier: ThreadPoolExecutor | None = None  # applies while this thread fills
         self._terminated: set[Any] = set()  # requests whose grammar took its stop token
 
     @property
@@ -133,8 +143,8 @@ class StructuredOutputs:
     def prepare(self, out: Any, alongside: Callable[[], None] | None = None) -> None:
         """The mask row of every constrained request step ``out`` samples, from its grammar's
         current state, copied to the device (stream-ordered after the step's forward, before
-        its tail). ``begin`` ran for the step before. ``alongside``: host work run on this
-        thread while a worker thread fills the rows (it must not touch a matcher)."""
+        its tail). ``begin`` ran for the step before. ``alongside``: host work run on a
+        worker thread while this one fills the rows (it must not touch a matcher)."""
         matchers, slots = [], []
         for s in out.scheduled:
             req = s.request
@@ -145,18 +155,18 @@ class StructuredOutputs:
             else:
                 matchers.append(req.grammar)
                 slots.append(req.slot)
-        if alongside is None or not matchers:
+        if alongside is None or len(matchers) < self.apply_beside_rows:
             self._fill(matchers, slots)
             if alongside is not None:
                 alongside()
         else:
-            if self._filler is None:
-                self._filler = ThreadPoolExecutor(1, thread_name_prefix="replaylm-masks")
-            filling = self._filler.submit(self._fill, matchers, slots)
+            if self._applier is None:
+                self._applier = ThreadPoolExecutor(1, thread_name_prefix="replaylm-apply")
+            applying = self._applier.submit(alongside)
             try:
-                alongside()
+                self._fill(matchers, slots)  # no GIL held: the worker's Python runs meanwhile
             finally:
-                filling.result()
+                applying.result()
         rows = self._rows(out)
         if rows:
             lo, hi = min(rows), max(rows) + 1

@@ -19,3 +19,6 @@ def test_grammar_host_times_fill_and_accept_per_row_count():
     rows = structured.grammar_host(vocab, [1, 3], steps=6)
     assert [r["rows"] for r in rows] == [1, 3]
     assert all(r["fill_ms"] > 0 and r["accept_ms"] > 0 for r in rows)
+    # the Python work beside the fill is as long as the fill: neither way takes less
+    assert all(r["fill_then_apply_ms"] >= r["fill_ms"] and r["apply_beside_ms"] >= r["fill_ms"]
+               for r in rows)

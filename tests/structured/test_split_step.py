@@ -1,7 +1,6 @@
 """A constrained step in two halves (``structured.masks``, ``graphs.whole``): its forward is
 launched before the step in flight is waited for, the grammars advance and the masks are
-filled after that wait (on a worker thread, while the engine thread applies the step in
-flight), and its tail (mask, greedy argmax, sampler) comes last; outputs are
+filled after that wait (while a worker thread applies the step in flight), and its tail (mask, greedy argmax, sampler) comes last; outputs are
 those of an eager engine without overlap scheduling, in every graph mode (CPU stand-in, with
 graph checks and poisoned padding on), with constrained and unconstrained requests mixed, and
 through speculative verify steps."""
@@ -186,30 +185,34 @@ def test_verify_steps_with_constrained_rows(mode, reference):
 
 
 @pytest.mark.parametrize("mode", ["eager", "ragged"])
-def test_masks_fill_on_a_worker_while_the_step_in_flight_is_applied(mode, reference,
-                                                                    monkeypatch):
-    """Each fill beside a step in flight runs off the engine thread and waits until the engine
-    thread applies that step: a fill that ran before or after the apply, or on the engine
-    thread, would time out or not be counted."""
+def test_the_step_in_flight_is_applied_on_a_worker_while_the_masks_fill(mode, reference,
+                                                                      monkeypatch):
+    """Each fill beside a step in flight waits until a worker thread applies that step: an
+    apply run before or after the fill, or on the engine thread, would leave it waiting (a
+    timeout) or be counted as such."""
     llm = _engine(mode)
     core, structured = llm.engine, llm.engine.structured
     applying = threading.Event()
     fill, apply, prepare = structured._fill, core.apply, structured.prepare
+    beside: list[bool] = []  # a step in flight is applied during this prepare
     overlapped: list[bool] = []
 
     def prepare_fresh(out, alongside=None):
         applying.clear()
+        beside[:] = [alongside is not None]
         return prepare(out, alongside)
 
     def fill_meanwhile(matchers, slots):
-        if threading.current_thread() is not threading.main_thread():
+        if matchers and beside[0]:
             overlapped.append(applying.wait(timeout=10))
         fill(matchers, slots)
 
     def applied(step, sampled):
-        applying.set()
+        if threading.current_thread() is not threading.main_thread():
+            applying.set()
         return apply(step, sampled)
 
+    monkeypatch.setattr(structured, "apply_beside_rows", 1)  # every fill, however small
     monkeypatch.setattr(structured, "prepare", prepare_fresh)
     monkeypatch.setattr(structured, "_fill", fill_meanwhile)
     monkeypatch.setattr(core, "apply", applied)
