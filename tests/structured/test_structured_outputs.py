@@ -235,3 +235,39 @@ def test_json_whitespace_setting():
         assert m.accept_string('{"a": 1}') if not any_ws else True
         m = xgrammar.GrammarMatcher(compile_for(so, args, cfg, tok))
         assert m.accept_string('{  "a"  :\n 1 }') == spaced_ok
+
+
+def test_advance_reports_each_refusal_and_notes_terminated_grammars(eager):
+    """``advance`` on a step with requests of one token each, one whose token the grammar
+    refuses, a verify request with two tokens, and one whose grammar already terminated: only
+    the refusal is reported, each matcher holds what it accepted, and the terminated one is
+    noted (``finished_by_grammar``)."""
+    from types import SimpleNamespace as NS
+
+    core = eager.engine
+    tok, eos = core.tokenizer, core.model_config.eos_token_ids[0]
+    digits = core.compile_structured(SamplingParams(structured_outputs=SO(regex="[0-9]+")))
+    done = core.compile_structured(SamplingParams(structured_outputs=SO(choice=["ok"])))
+
+    class Req:  # hashable, as requests are
+        def __init__(self, grammar) -> None:
+            self.grammar, self.is_finished = core._matcher(grammar), False
+
+    def token(text: str) -> int:
+        (t,) = tok.encode(text, add_special_tokens=False)
+        return t
+
+    a, b, c, d, e = Req(digits), Req(digits), Req(digits), Req(digits), Req(done)
+    assert e.grammar.accept_string("ok") and e.grammar.accept_token(eos)
+    assert e.grammar.is_terminated()
+    scheduled = [NS(sample=True, drafts=[], request=a), NS(sample=True, drafts=[], request=b),
+                 NS(sample=True, drafts=[0], request=c), NS(sample=True, drafts=[], request=d),
+                 NS(sample=True, drafts=[], request=e)]
+    sampled = [token("7"), token("x"), token("1"), token("2"), token("3"), token("4")]
+    failed = core.structured.advance(NS(scheduled=scheduled), sampled)
+    assert [r for r, _ in failed] == [b]
+    assert "does not continue" in str(failed[0][1])
+    assert a.grammar.accept_token(eos)  # "7" was taken
+    assert not b.grammar.accept_token(eos)  # nothing was
+    assert c.grammar.accept_string("9") and d.grammar.accept_token(eos)
+    assert core.structured.finished_by_grammar(e) and not core.structured.finished_by_grammar(a)
