@@ -1,18 +1,20 @@
 """``decoder_for``: the Rust backend's decode where it gives the wrapper's text, the wrapper's
-where its space cleanup would change it; the incremental text equals a whole decode."""
+where its space cleanup would change it; the incremental text equals a whole decode.
+
+transformers is imported inside the tests: importing it imports Triton, which must not happen
+before ``tests/kernels`` turns the interpreter on in the same process."""
 
 from __future__ import annotations
 
 import random
-
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from replaylm.engine.detokenizer import IncrementalDetokenizer, decoder_for
 from replaylm.model.shapes import DEFAULT_MODEL_DIR
 
 
 def test_the_default_tokenizer_decodes_through_its_backend_with_the_same_text():
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     decode = decoder_for(tok)
     assert decode is decoder_for(tok)  # probed once per tokenizer
@@ -24,8 +26,11 @@ def test_the_default_tokenizer_decodes_through_its_backend_with_the_same_text():
             assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
 
 
-def _cleaning_tokenizer() -> PreTrainedTokenizerFast:
+def _cleaning_tokenizer():
     """A word-level tokenizer whose wrapper removes the space before punctuation."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {"[UNK]": 0, "a": 1, ".": 2, "b": 3, ",": 4, "c": 5}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
