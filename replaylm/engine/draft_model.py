@@ -256,7 +256,8 @@ class DraftModelDrafter:
         out_pos = res.batch.sample_out_pos[:n]
         host_slots = [s.request.slot for s in sched]
         sampled = [b for b, slot in enumerate(host_slots) if not state.all_greedy([slot])]
-        greedy = res.greedy if res.greedy is not None else res.logits.argmax(dim=-1)
+        # The draft's tail takes the argmax of every row (``samples_in_tail`` is off).
+        greedy = res.samples if res.samples is not None else res.logits.argmax(dim=-1)
         q = None
         if not sampled and self.confidence is None:  # argmax alone: no distribution needed
             tokens, conf = greedy.clone(), torch.ones(n, device=greedy.device)

@@ -30,6 +30,7 @@ class DraftModelRunner(ModelRunner):
     """
 
     split_tails = False  # drafts are never constrained: no tail graphs
+    samples_in_tail = False
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model_dir: Path | None,
                  max_model_len: int, spec: SpecConfig) -> None:

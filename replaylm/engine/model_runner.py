@@ -227,6 +227,9 @@ class ModelRunner(RunnerStartup, KVSizing):
             pad_to_agreed=self.dp is not None, split_tails=self.split_tails,
         )
         self.buffers = self.graphs.buffers
+        if self.samples_in_tail:
+            self.buffers.sampling = self.sampler.state
+            self.sampler.tail_draws = True
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
         self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
         self.tune_seconds = self._tune_kernels()
@@ -250,7 +253,7 @@ class ModelRunner(RunnerStartup, KVSizing):
         Nothing here waits for the device (``on_forward`` may): the samples are read later,
         from the ``PendingStep``. ``on_launch`` runs after the host-only work, right before
         the step's first device operation (the profiler's start event); ``on_forward`` once
-        the step's forward is launched, before its tail (masks, greedy samples, the sampler)
+        the step's forward is launched, before its tail (masks, the samples)
         is (``GraphRuntime.run``'s ``between``), so the host works while the forward runs.
         """
         spec = self.spec
@@ -307,7 +310,7 @@ class ModelRunner(RunnerStartup, KVSizing):
                      and self.policy.mode != "eager")
             res = self.graphs.run(host, agree, "speculative_config verify=eager" if eager else None,
                                   on_forward)
-            logits, greedy, batch = res.logits, res.greedy, res.batch
+            logits, samples, batch = res.logits, res.samples, res.batch
             dispatch, padded = res.dispatch, res.padded_tokens
         else:
             pad_to = 0
@@ -316,7 +319,7 @@ class ModelRunner(RunnerStartup, KVSizing):
                                               host.is_uniform_decode, False, agree).pad_to
             logits, batch, dispatch, padded = self._run_with_prompt_rows(host, plan, pad_to,
                                                                          on_forward)
-            greedy = None
+            samples = None
         n = host.num_sampled
         if n == 0 and plan is None:
             return None, dispatch, padded
@@ -335,9 +338,9 @@ class ModelRunner(RunnerStartup, KVSizing):
                 torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
                 torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
         pending = self.sampler.run(SampleRows(
-            logits, slots, batch.sample_out_pos[:n], host.sample_slots.tolist(), plan, greedy,
+            logits, slots, batch.sample_out_pos[:n], host.sample_slots.tolist(), plan, samples,
             host_view, draft_counts, accept))
-        if pending.device_tokens is not greedy:
+        if pending.device_tokens is not samples:
             self.last_token.index_copy_(0, slots, pending.device_tokens)
         return pending, dispatch, padded
 

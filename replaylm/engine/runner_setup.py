@@ -58,6 +58,9 @@ class RunnerStartup:
     #: Whether the graphs get a tail graph per tier, for steps that fill structured-output
     #: masks while their forward runs (``graphs.whole``); a draft model samples none.
     split_tails = True
+    #: Whether a step's tail samples every row by its slot's settings (``graphs.whole``); a
+    #: draft model's takes the argmax and draws its proposals itself (``engine.draft_model``).
+    samples_in_tail = True
 
     def _configure_all_reduce(self) -> dict | None:
         """Under tensor parallel, decide how the group sums (``EngineArgs.all_reduce_backend``,

@@ -21,6 +21,8 @@ Inputs that stay on the device:
   ``vocab_size``): each slot's structured-output token mask and whether it applies
   (``sampling.bitmask``), written by ``replaylm.structured`` before a step that samples a
   constrained request. Row ``S`` (the scratch slot) is never on.
+- ``sampling`` (``sampling.SamplingState``, the runner's): each slot's temperature and seed,
+  by which the step's tail samples. Its row ``S`` is greedy.
 
 Padding (``replaylm.batch``): padded tokens write scratch block 0 and belong to no request
 (``cu_seqlens_q[B..] = T``), padded requests have ``kv_lens = 0`` and the zero table row,
@@ -36,6 +38,7 @@ import torch
 
 from replaylm.batch import AttentionMetadata, ForwardBatch, HostBatch
 from replaylm.sampling.bitmask import bitmask_words
+from replaylm.sampling.sampler import SamplingState
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ class StaticBuffers:
         words = bitmask_words(vocab_size) if vocab_size is not None else 1
         self.token_bitmask = torch.zeros(s1, words, dtype=torch.int32, device=device)
         self.bitmask_on = torch.zeros(s1, dtype=torch.int32, device=device)
+        # The sampling settings the tail draws by (``whole.step_tail``); None: argmax only.
+        # Set by the runner before capture.
+        self.sampling: SamplingState | None = None
         # Host mirror: whether any slot's flag is on. Eager steps skip the mask op while it
         # is False (graphs always run it: a flag-0 row is left as it is).
         self.bitmask_any = False

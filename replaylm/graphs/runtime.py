@@ -97,7 +97,8 @@ class GraphStats:
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [L_real, V]
-    greedy: torch.Tensor | None  # [L_real] argmax tokens, already in last_token (None: not run)
+    # [L_real] the tail's samples (``whole.step_tail``), already in last_token (None: not run)
+    samples: torch.Tensor | None
     batch: ForwardBatch  # the sampling rows live in batch.sample_* [:L_real]
     dispatch: Dispatch
     padded_tokens: int
@@ -293,10 +294,10 @@ class GraphRuntime:
         """Run one step; ``eager_reason``: the step must run without a graph, and why.
 
         ``between``: called once the step's forward is launched and before its tail (the
-        masks and the greedy samples, ``graphs.whole``) is, so the tail reads what it wrote
+        masks and the samples, ``graphs.whole``) is, so the tail reads what it wrote
         (``structured.masks``: a constrained step's masks); the device runs the forward
         meanwhile. Without it no sampled row is constrained, so the step needs no masks:
-        whole-model graphs take the greedy samples inside the step graph."""
+        whole-model graphs take the samples inside the step graph."""
         if eager_reason is not None and agree is None:
             d = Dispatch("eager", reason=eager_reason)
         else:
@@ -313,8 +314,8 @@ class GraphRuntime:
             logits = step_logits(self.model, self.buffers, batch)
             if between is not None:
                 between()
-            greedy = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
-            return StepResult(logits, greedy, batch, d, host.num_tokens)
+            samples = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
+            return StepResult(logits, samples, batch, d, host.num_tokens)
         key = f"{d.mode}:{d.tier}"
         s.hits[key] = s.hits.get(key, 0) + 1
         s.real_tokens += host.num_tokens - host.layout_pad_tokens
@@ -330,12 +331,12 @@ class GraphRuntime:
             if split is not None:
                 split(logits)
             # eager, after the piecewise graphs
-            greedy = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
+            samples = step_tail(self.buffers, logits, batch, masks=self.buffers.bitmask_any)
         else:
-            logits, greedy, batch = self.whole.run(host, d.mode, d.tier, check, split)
+            logits, samples, batch = self.whole.run(host, d.mode, d.tier, check, split)
         if split is None:  # the engine splits every step with a constrained row: none here
             self._check_padding(logits[:n], key)
-        return StepResult(logits[:n], greedy[:n], batch, d, d.tier)
+        return StepResult(logits[:n], samples[:n], batch, d, d.tier)
 
     def _check_padding(self, logits: torch.Tensor, key: str) -> None:
         """With ``poison_padding``: raise if a real row's logits are not all finite (read

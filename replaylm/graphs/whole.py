@@ -3,22 +3,23 @@
 A step on the device is its forward (``step_logits``: inputs gathered and embedded in one
 launch, the model with its final norm on the logits rows only, the LM head into the shared
 logits buffer) and its tail (``step_tail``: the structured-output token masks of constrained
-rows, ``sampling.bitmask``, then greedy samples written to ``last_token``). ``full`` graphs
+rows, ``sampling.bitmask``, then the samples written to ``last_token``: one launch that
+takes each greedy row's argmax and draws each other row at its temperature). ``full`` graphs
 are keyed by request count, every request one token (``tier`` tokens, ``tier`` slots);
 ``ragged`` graphs by total tokens, with ``min(tier, S)`` request slots, so any mix of query
 lengths whose total fits replays one graph.
 
 Each tier holds two graphs, captured in this order into the runtime's one pool: the step
-graph (the forward and the greedy argmax, without masks) and a tail graph (the tail alone,
-two nodes on CUDA: the mask and the argmax). A step replays the step graph. Only a step that
+graph (the forward and the samples, without masks) and a tail graph (the tail alone, two
+nodes on CUDA: the mask and the sampler). A step replays the step graph. Only a step that
 samples a constrained request needs masks, and the engine fills those while its forward
 runs (``run``'s ``between``, ``structured.masks``): it replays the step graph, runs
-``between``, then replays the tail graph, which masks the logits in place and writes the
-greedy samples again. Unconstrained steps thus keep one graph launch and no mask node; a
-constrained step costs one more launch and, on the device, the step graph's argmax over rows
-the tail recomputes. The tail graph reads only static buffers (the logits buffer, masks,
-flags, sampled slots); its own memory is the samples it returns and the argmax's per-chunk
-partials (a few KiB), so it adds next to no graph memory.
+``between``, then replays the tail graph, which masks the logits in place and samples
+again. Unconstrained steps thus keep one graph launch and no mask node; a constrained step
+costs one more launch and, on the device, the step graph's samples the tail recomputes.
+The tail graph reads only static buffers (the logits buffer, masks, flags, sampled slots,
+the sampling settings); its own memory is the samples it returns and the sampler's
+per-chunk partials (a few KiB), so it adds next to no graph memory.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from replaylm.graphs.buffers import StaticBuffers
 from replaylm.graphs.graph import Graph, check_bits
 from replaylm.model.llama import CausalLM
 from replaylm.sampling.bitmask import apply_token_bitmask
-from replaylm.sampling.sampler import argmax_rows
+from replaylm.sampling.sampler import argmax_rows, race_rows
 
 
 def step_logits(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
@@ -50,18 +51,24 @@ def step_logits(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
 def step_tail(buffers: StaticBuffers, logits: torch.Tensor, b: ForwardBatch,
               masks: bool = True) -> torch.Tensor:
     """The step's tail on the device: constrained rows' forbidden tokens to ``-inf`` in place
-    (rows of unconstrained slots untouched), then the greedy samples, also written to
-    ``last_token`` (the sampler reads the masked logits after it). ``masks=False`` (an eager
-    step while no slot is constrained) skips the masks, which would change nothing."""
+    (rows of unconstrained slots untouched), then the samples, also written to ``last_token``:
+    with ``buffers.sampling``, each row drawn by its slot's settings (the argmax, or the race
+    at its temperature, ``sampling.sampler.race_rows``), else the argmax of every row. A step
+    whose rows need more (top-k / top-p, penalties, logprobs) samples again from the masked
+    logits after it. ``masks=False`` (an eager step while no slot is constrained) skips the
+    masks, which would change nothing."""
     if masks:
         apply_token_bitmask(logits, buffers.token_bitmask, buffers.bitmask_on, b.sample_slots)
-    return argmax_rows(logits, buffers.last_token, b.sample_slots)
+    if buffers.sampling is None:
+        return argmax_rows(logits, buffers.last_token, b.sample_slots)
+    return race_rows(logits, b.sample_slots, b.sample_out_pos, buffers.sampling,
+                     dest=buffers.last_token)
 
 
 def run_whole_model(model: CausalLM, buffers: StaticBuffers, b: ForwardBatch,
                     out: torch.Tensor | None = None, gather: bool = True,
                     masks: bool = True) -> list[torch.Tensor]:
-    """The whole step, forward then tail: ``[logits, greedy]``. Eager steps run this too,
+    """The whole step, forward then tail: ``[logits, samples]``. Eager steps run this too,
     unpadded."""
     logits = step_logits(model, buffers, b, out, gather)
     return [logits, step_tail(buffers, logits, b, masks)]
@@ -124,16 +131,16 @@ class WholeModelGraphs:
         self.buffers.load(host, tier, batch.meta.num_reqs, len(batch.logits_indices))
         g = self.graphs[(mode, tier)]
         g.replay()
-        logits, greedy = g.outputs
+        logits, samples = g.outputs
         if between is not None:
             between(logits)
             tail = self.tails[(mode, tier)]
             tail.replay()
-            greedy = tail.outputs[0]
+            samples = tail.outputs[0]
         if check:  # into a scratch buffer of the same shape and dtype; inputs as the replay
             # gathered them (it has overwritten last_token since)
             eager = run_whole_model(self.model, self.buffers, batch, torch.empty_like(logits),
                                     gather=False)
-            check_bits([logits, greedy], eager,
+            check_bits([logits, samples], eager,
                        f"{check}, first differing segment: whole model")
-        return logits, greedy, batch
+        return logits, samples, batch

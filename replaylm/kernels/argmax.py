@@ -43,18 +43,11 @@ def _store_answer(out_ptr, dest_ptr, slots_ptr, row, idx, HAS_DEST: tl.constexpr
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, dest_ptr, slots_ptr,
-                   vocab, stride_x, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
-                   NO_INDEX: tl.constexpr, HAS_DEST: tl.constexpr, USE_PDL: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    chunks = tl.num_programs(1)
-    wait_for_previous(USE_PDL)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab,
-                other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
-    best, idx = _first_max(x, offs, NO_INDEX)
+def _finish_row(best, idx, row, chunk, chunks, out_ptr, part_v_ptr, part_i_ptr, counter_ptr,
+                dest_ptr, slots_ptr, C_PAD: tl.constexpr, NO_INDEX: tl.constexpr,
+                HAS_DEST: tl.constexpr):
+    """Bring one chunk's ``(best, idx)`` into its row's answer: a one-chunk row stores it;
+    otherwise the chunk leaves its partial and the row's last arrival reduces them all."""
     if chunks == 1:
         _store_answer(out_ptr, dest_ptr, slots_ptr, row, idx, HAS_DEST)
     else:
@@ -73,6 +66,23 @@ def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, dest_ptr
                            cache_modifier=".cg")
             _, win = _first_max(vals, idxs, NO_INDEX)
             _store_answer(out_ptr, dest_ptr, slots_ptr, row, win, HAS_DEST)
+
+
+@triton.jit
+def _argmax_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, dest_ptr, slots_ptr,
+                   vocab, stride_x, CHUNK: tl.constexpr, C_PAD: tl.constexpr,
+                   NO_INDEX: tl.constexpr, HAS_DEST: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    wait_for_previous(USE_PDL)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < vocab,
+                other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
+    best, idx = _first_max(x, offs, NO_INDEX)
+    _finish_row(best, idx, row, chunk, chunks, out_ptr, part_v_ptr, part_i_ptr, counter_ptr,
+                dest_ptr, slots_ptr, C_PAD, NO_INDEX, HAS_DEST)
 
 
 @cache

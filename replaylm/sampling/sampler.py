@@ -1,13 +1,14 @@
 """Device-side token sampling with no host sync, safe to capture in a CUDA graph.
 
-Per-request settings live in persistent per-slot tensors (``SamplingState``); ``sample`` gathers
-them by slot, so a captured graph reads whatever requests occupy the slots at replay time.
+Per-request settings live in persistent per-slot tensors (``SamplingState``); the sampler
+reads them by slot, so a captured graph reads whatever requests occupy the slots at replay
+time.
 
-Randomness is counter-based: the uniform draw for vocab entry ``v`` of the token at output
-index ``out_pos`` of a request with seed ``seed`` is a pure integer hash of
-``(seed, out_pos, v)``. Sampling uses the exponential race (Gumbel-max): the token is
-``argmax_v log p_v - log E_v`` with ``E_v = -log u_v``, which draws exactly from ``p``. A seeded
-request therefore picks the same tokens whatever batch, row, batch size or graph mode runs it.
+Randomness is counter-based (``kernels.counter_rng``): a token's uniforms are a hash of the
+request's seed, the token's output index and the vocab index, drawn in the exponential race
+(Gumbel-max), so a seeded request picks the same tokens whatever batch, row, batch size or
+graph mode runs it. On CUDA one launch (``kernels.sample``) samples every row, greedy or not;
+top-k and top-p first find each row's threshold with one sort.
 
 Everything here uses fixed shapes and no data-dependent control flow: no ``.item()``,
 ``nonzero``, boolean-mask indexing, ``torch.multinomial`` or device->host copies.
@@ -17,92 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from replaylm.kernels.counter_rng import race, row_keys, seed_key, uniforms, vocab_hash
 from replaylm.sampling.slots import SlotColumns
 from replaylm.sampling_params import SamplingParams
-
-_MASK32 = 0xFFFFFFFF
-# Multipliers of a two-round xorshift-multiply 32-bit mixer. Both are odd (so each round is a
-# bijection on 32-bit words) and below 2**31, so a 32-bit value times either stays below 2**63:
-# the int64 products never overflow on any backend, and masking after each multiply keeps
-# every intermediate a plain 32-bit word.
-_MUL1 = 0x2C1B3C6D
-_MUL2 = 0x297A2D39
-_VOCAB_SALT = 0x68E31DA4  # separates the vocab-index stream from the seed/position stream
-_SEED_SALT = 0x3C6EF372
-# After the last multiply keep bits 9..31 (the best mixed ones) and set bit 8: the word is then
-# (k + 0.5) * 2**9 with k < 2**23, so u = word * 2**-32 is exact in fp32 and lies strictly
-# inside (0, 1): log(u) and log(-log(u)) are always finite.
-_KEEP_HIGH23 = 0xFFFFFE00
-_HALF_STEP = 0x100
-_INV_2_32 = 2.0**-32
-
-
-def _mix32(x):
-    """Bijective 32-bit mixer; ``x`` is an int or an int64 tensor holding values in [0, 2**32).
-
-    The same code runs on Python ints (host-side seed keys) and tensors (device-side keys), so
-    the two always agree. The first line builds a new tensor, so the caller's input is never
-    modified; the rest works in place to avoid temporaries.
-    """
-    x = x ^ (x >> 15)
-    x *= _MUL1
-    x &= _MASK32
-    x ^= x >> 12
-    x *= _MUL2
-    x &= _MASK32
-    x ^= x >> 15
-    return x
-
-
-def _pre_shift(x):
-    """The mixer's first step, ``x ^ (x >> 15)``, on its own.
-
-    It distributes over XOR, so applying it to a row key and to the vocab table separately and
-    XOR-ing the results equals applying it to their XOR: two fewer ops on the [L, V] tensor.
-    """
-    return x ^ (x >> 15)
-
-
-def seed_key(seed: int) -> int:
-    """The 32-bit per-request key derived from a 64-bit seed (both halves count)."""
-    seed &= (1 << 64) - 1
-    lo, hi = seed & _MASK32, seed >> 32
-    return _mix32(_mix32(lo ^ _SEED_SALT) ^ hi)
-
-
-def vocab_hash(vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """Per-vocab-index keys ``[V]`` int64, pre-shifted for the fused per-element mixer."""
-    v = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    return _pre_shift(_mix32(v ^ _VOCAB_SALT))
-
-
-def row_keys(seed_keys: torch.Tensor, out_pos: torch.Tensor) -> torch.Tensor:
-    """Per-row keys ``[L]`` int64 from per-row seed keys and output positions, pre-shifted.
-
-    One multiply round suffices here: the seed key is already fully mixed, and the per-element
-    rounds in ``uniforms`` follow, so a position passes through three multiply rounds before it
-    reaches a uniform. Each op here is a separate tiny launch on every decode step.
-    """
-    x = (seed_keys ^ out_pos) & _MASK32
-    x *= _MUL1
-    x &= _MASK32
-    return _pre_shift(x)
-
-
-def uniforms(rkeys: torch.Tensor, vhash: torch.Tensor) -> torch.Tensor:
-    """Uniforms ``[L, V]`` fp32 in (0, 1) for every (row, vocab index) pair.
-
-    This is the mixer applied to ``row_key ^ vocab_key`` (its first step already done on both
-    inputs), ending in the exact fp32 conversion described at ``_KEEP_HIGH23``.
-    """
-    x = rkeys[:, None] ^ vhash[None, :]
-    x *= _MUL1
-    x &= _MASK32
-    x ^= x >> 12
-    x *= _MUL2
-    x &= _KEEP_HIGH23
-    x |= _HALF_STEP
-    return torch.mul(x, _INV_2_32)
 
 
 def argmax_rows(logits: torch.Tensor, dest: torch.Tensor | None = None,
@@ -123,7 +41,8 @@ def argmax_rows(logits: torch.Tensor, dest: torch.Tensor | None = None,
 
 
 class SamplingState:
-    """Persistent per-slot device tensors (one row per request slot, ``max_num_seqs`` rows).
+    """Persistent per-slot device tensors: one row per request slot (``max_num_seqs``), and a
+    last row for the scratch slot that padded rows of a graph read, which stays greedy.
 
     ``set`` is the only writer (host side; ``flush`` sends it, ``SlotColumns``): it also fills
     a derived key tensor and host-side mirrors, so the runner can decide the fast paths
@@ -142,7 +61,7 @@ class SamplingState:
         # and harmless. seed_key: the seed's 32-bit key, precomputed on the host so each step
         # skips two mixer rounds.
         f32, i64 = torch.float32, torch.int64
-        self.slots = SlotColumns(max_num_seqs, self.device, {
+        self.slots = SlotColumns(max_num_seqs + 1, self.device, {
             "temperature": (f32, 0.0), "top_p": (f32, 1.0), "top_k": (i64, 0),
             "seed": (i64, 0), "seed_key": (i64, seed_key(0)),
         })
@@ -158,6 +77,8 @@ class SamplingState:
         """Write one slot's settings (runs on admission, outside any graph); they reach the
         device at the next ``flush``. Greedy requests (``params.greedy``: temperatures below
         ``GREEDY_BELOW`` too) are stored with temperature 0."""
+        if not 0 <= slot < self.max_num_seqs:
+            raise IndexError(f"slot {slot} out of range [0, {self.max_num_seqs})")
         top_k = params.top_k if 0 < params.top_k < self.top_k_off_from else 0
         temperature = 0.0 if params.greedy else params.temperature
         # Wrap into int64's range: SamplingParams allows [0, 2**63), a runner may pass more.
@@ -201,6 +122,29 @@ class SamplingState:
         return table
 
 
+def race_rows(logits: torch.Tensor, slots: torch.Tensor, out_pos: torch.Tensor,
+              state: SamplingState, threshold: torch.Tensor | None = None,
+              dest: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` ``[L, V]`` by each row's slot settings: the argmax for
+    a greedy slot, else the exponential race (``counter_rng.race``; ``threshold`` ``[L]``:
+    top-k / top-p). On CUDA one launch (``kernels.sample``), elsewhere the torch reference.
+    With ``dest``, also ``dest[slots] = `` the answers. ``slots`` may name the scratch slot
+    (a padded row): it is greedy."""
+    if logits.is_cuda and logits.stride(-1) == 1 and logits.shape[0] > 0:
+        from replaylm.kernels.sample import MAX_ROWS
+        from replaylm.kernels.sample import sample as sample_kernel
+
+        if logits.shape[0] <= MAX_ROWS:
+            return sample_kernel(logits, slots, out_pos, state.temperature, state.seed_key,
+                                 threshold, dest)
+    tokens = race(logits, state.temperature.index_select(0, slots),
+                  state.seed_key.index_select(0, slots), out_pos,
+                  state.vocab_hash(logits.shape[-1]), threshold)
+    if dest is not None:
+        dest.index_copy_(0, slots, tokens)
+    return tokens
+
+
 def sample(
     logits: torch.Tensor,
     slots: torch.Tensor,
@@ -217,26 +161,15 @@ def sample(
     are host-known promises (``SamplingState.all_greedy`` / ``needs_filter``) that select
     cheaper paths; they never change a result, given the promise holds.
     """
-    greedy_ids = argmax_rows(logits)  # argmax is dtype-monotone: no fp32 copy needed
     if all_greedy:
-        return greedy_ids
-
-    temperature = state.temperature.index_select(0, slots)
-    is_greedy = temperature == 0.0
-    # Greedy rows still run the random path (their result is discarded by the final where);
-    # a unit temperature keeps their arithmetic finite.
-    temperature = torch.where(is_greedy, 1.0, temperature)[:, None]
-
-    rkeys = row_keys(state.seed_key.index_select(0, slots), out_pos)
-    # log E with E = -log(u) ~ Exp(1); the race winner is argmin(log E - logits / T).
-    log_e = uniforms(rkeys, state.vocab_hash(logits.shape[-1])).log_().neg_().log_()
-
+        return argmax_rows(logits)
+    threshold = None
     if need_filter:
-        scaled = torch.div(logits, temperature)  # fp32 whatever the logits dtype
-        log_e.masked_fill_(scaled < _filter_threshold(scaled, slots, state), float("inf"))
-    # addcdiv fuses the fp32 cast, the temperature division and the subtraction.
-    random_ids = torch.addcdiv(log_e, logits, temperature, value=-1.0).argmin(dim=-1)
-    return torch.where(is_greedy, greedy_ids, random_ids)
+        temperature = state.temperature.index_select(0, slots)
+        # fp32 whatever the logits dtype; greedy rows divide by 1 (they ignore the threshold)
+        scaled = torch.div(logits, torch.where(temperature == 0.0, 1.0, temperature)[:, None])
+        threshold = _filter_threshold(scaled, slots, state)[:, 0]
+    return race_rows(logits, slots, out_pos, state, threshold)
 
 
 def draw(probs: torch.Tensor, seed_keys: torch.Tensor, out_pos: torch.Tensor,

@@ -50,9 +50,11 @@ class SampleRows:
 
     ``logits``: the sampled rows first, then the prompt-logprob rows of ``plan``, if any;
     ``slots`` / ``out_pos``: each sampled row's request slot and output position (device),
-    ``slots_cpu`` the slots on the host. ``greedy``, when given, holds the rows' argmax
-    (computed inside the step's graph): a batch of greedy requests with no logit processing
-    takes it as is, with no kernel here. ``host_view``, when given, maps the sampled tokens
+    ``slots_cpu`` the slots on the host. ``samples``, when given, holds the rows' samples
+    drawn in the step's tail (``graphs.whole``; the argmax of every row unless
+    ``StepSampler.tail_draws``): a batch whose rows need nothing more (no logit processing;
+    greedy, or drawn in the tail without top-k or top-p) takes them as they are, with no
+    kernel here. ``host_view``, when given, maps the sampled tokens
     to what the host receives (a verify step's acceptance): only those rows count as outputs
     for the penalties. ``draft_counts``: ``(rows, tokens)``, draft tokens each verify row's
     penalties count as earlier outputs. ``accept``, when given, maps (processed logits,
@@ -68,7 +70,7 @@ class SampleRows:
     out_pos: torch.Tensor
     slots_cpu: list[int]
     plan: PromptLogprobPlan | None = None
-    greedy: torch.Tensor | None = None
+    samples: torch.Tensor | None = None
     host_view: TokenMap | None = None
     draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
     accept: Accept | None = None
@@ -121,6 +123,10 @@ class StepSampler:
         self.state = SamplingState(max_num_seqs, device, vocab_size)
         self.procs = LogitsProcessorState(max_num_seqs, vocab_size, device)
         self._logprobs_k: list[int | None] = [None] * max_num_seqs
+        # Whether a step's tail draws temperature rows by the slots' settings (the runner
+        # hands ``state`` to its graphs), so ``SampleRows.samples`` hold them; else only the
+        # greedy rows' samples are final there.
+        self.tail_draws = False
         # Two pinned buffers and events, alternating: allocating pinned memory every step costs
         # about as much as a small model's whole step. With overlap scheduling step N+1 is
         # launched before step N's tokens are read on the host, so N+1 must copy elsewhere.
@@ -172,29 +178,29 @@ class StepSampler:
         non-blocking, one event recorded after all of them).
         """
         logits, sample_slots, sample_out_pos = rows.logits, rows.slots, rows.out_pos
-        slots_cpu, plan, greedy = rows.slots_cpu, rows.plan, rows.greedy
+        slots_cpu, plan, samples = rows.slots_cpu, rows.plan, rows.samples
         host_view, draft_counts, accept = rows.host_view, rows.draft_counts, rows.accept
         num_sampled = len(slots_cpu)
         raw = logits[:num_sampled]
         all_greedy = self.state.all_greedy(slots_cpu)
         procs_active = self.procs.active(slots_cpu)
-        if greedy is not None and all_greedy and not procs_active:
-            tokens = greedy if accept is None else accept(raw, greedy)
+        need_filter = not all_greedy and self.state.needs_filter(slots_cpu)
+        if samples is not None and not procs_active and (
+                all_greedy or (self.tail_draws and not need_filter)):
+            tokens = samples if accept is None else accept(raw, samples)
         elif num_sampled:
             x = raw
             if procs_active:
                 x = self.procs.apply(raw, sample_slots, sample_out_pos, self.state.temperature,
                                      slots_cpu, draft_counts)
-            tokens = sample(
-                x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
-                need_filter=self.state.needs_filter(slots_cpu),
-            )
+            tokens = sample(x, sample_slots, sample_out_pos, self.state, all_greedy=all_greedy,
+                            need_filter=need_filter)
             if accept is not None:
                 tokens = accept(x, tokens)
         else:
             tokens = torch.empty(0, dtype=torch.int64, device=self.device)
         shown = tokens if host_view is None else host_view(tokens)
-        if num_sampled and tokens is not greedy:
+        if num_sampled and tokens is not samples:
             self.procs.record(sample_slots, tokens, slots_cpu,
                               None if host_view is None else shown >= 0)
         ks = [self._logprobs_k[s] for s in slots_cpu]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.sampling.sampler import draw, row_keys, uniforms
+from replaylm.kernels.counter_rng import row_keys, uniforms
+from replaylm.sampling.sampler import draw
 
 _ACCEPT_SALT = 0x5BD1E995  # separates the accept-test stream from the sampling streams
 

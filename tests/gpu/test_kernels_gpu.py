@@ -324,6 +324,41 @@ def test_argmax_rows_gpu():
     assert not _counters(x.device).any()
 
 
+def test_sample_rows_gpu():
+    """The one-launch sampler against ``counter_rng.race`` on the device, at a 128k vocab
+    and up to 300 rows, greedy, random and top-k rows mixed: the same tokens except where the
+    two keys tie to the device's ``log`` rounding (checked in float64); with a top-40
+    threshold every token is among the row's top 40."""
+    from replaylm.kernels import counter_rng as rng
+    from replaylm.kernels.argmax import _counters
+    from replaylm.kernels.sample import sample
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    vocab = 128256
+    vhash = rng.vocab_hash(vocab, DEV)
+    temps = torch.tensor([0.0, 0.05, 0.7, 1.0, 1.5, 0.0, 0.9, 3.0], device=DEV)
+    keys = torch.tensor([rng.seed_key(s) for s in range(8)], dtype=torch.int64, device=DEV)
+    for rows in (1, 64, 300):
+        x = (torch.randn(rows, vocab, device=DEV, generator=g) * 4).to(torch.bfloat16)
+        slots = torch.randint(0, 8, (rows,), device=DEV, generator=g)
+        slots[0] = 2  # a random row in every case
+        out_pos = torch.randint(0, 1 << 20, (rows,), device=DEV, generator=g)
+        t = temps[slots]
+        scaled = x.float() / torch.where(t == 0, 1.0, t)[:, None]
+        for threshold in (None, scaled.topk(40, dim=-1).values[:, -1]):
+            got = sample(x, slots, out_pos, temps, keys, threshold)
+            want = rng.race(x, t, keys[slots], out_pos, vhash, threshold)
+            differ = (got != want).nonzero().flatten().tolist()
+            assert len(differ) <= max(1, rows // 50), differ
+            u = rng.uniforms(rng.row_keys(keys[slots], out_pos), vhash).double()
+            key = scaled.double() - (-u.log()).log()
+            for r in differ:
+                assert abs(float(key[r, got[r]] - key[r, want[r]])) < 1e-5
+            if threshold is not None:
+                assert bool((scaled.gather(1, got[:, None])[:, 0] >= threshold).all())
+    assert not _counters(x.device).any()
+
+
 def test_gather_step_inputs_gpu():
     """A step's ids, block table and embedding rows in one launch = the torch ops."""
     from replaylm.kernels.step_inputs import gather_step_inputs

@@ -35,7 +35,7 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.skinny", "replaylm.kernels.tuner",
             "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
             "replaylm.kernels.ops",
-            "replaylm.kernels.argmax", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
+            "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
 
 
 def _compiled_kernels(mod) -> bool:
@@ -78,6 +78,6 @@ def kernels():
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
                           moe_decode=by_name["moe_decode"], moe_route=by_name["moe_route"],
-                          lora=by_name["lora"],
+                          lora=by_name["lora"], sample=by_name["sample"],
                           backend=TritonAttentionBackend())
     undo_shim()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from replaylm.kernels import counter_rng as rng
 from replaylm.sampling import SamplingState, sample
-from replaylm.sampling import sampler as sampler_mod
 from replaylm.sampling_params import SamplingParams
 from tests.sampling.sampler_helpers import CPU, chi_square, draws, make_state
 
@@ -134,17 +134,17 @@ def test_positions_and_seeds_give_different_draws() -> None:
 
 def test_host_and_device_mixers_agree() -> None:
     values = [0, 1, 2, 0xDEADBEEF, 0xFFFFFFFF, 123456789]
-    on_device = sampler_mod._mix32(torch.tensor(values, dtype=torch.int64))
-    assert on_device.tolist() == [sampler_mod._mix32(v) for v in values]
+    on_device = rng.mix32(torch.tensor(values, dtype=torch.int64))
+    assert on_device.tolist() == [rng.mix32(v) for v in values]
     # A bijection on 32-bit words: distinct inputs, distinct outputs.
-    block = sampler_mod._mix32(torch.arange(1 << 16, dtype=torch.int64) * 65537)
+    block = rng.mix32(torch.arange(1 << 16, dtype=torch.int64) * 65537)
     assert block.unique().numel() == 1 << 16
     assert int(block.min()) >= 0 and int(block.max()) <= 0xFFFFFFFF
 
 
 def test_uniforms_are_open_interval_and_uniform() -> None:
-    keys = sampler_mod.row_keys(torch.tensor([sampler_mod.seed_key(9)] * 64), torch.arange(64))
-    u = sampler_mod.uniforms(keys, sampler_mod.vocab_hash(4096, CPU)).double()
+    keys = rng.row_keys(torch.tensor([rng.seed_key(9)] * 64), torch.arange(64))
+    u = rng.uniforms(keys, rng.vocab_hash(4096, CPU)).double()
     assert u.dtype == torch.float64 and (u > 0).all() and (u < 1).all()
     flat = u.flatten().sort().values
     ecdf = torch.arange(1, flat.numel() + 1, dtype=torch.float64) / flat.numel()
@@ -152,8 +152,8 @@ def test_uniforms_are_open_interval_and_uniform() -> None:
     assert ks < 1.95 / math.sqrt(flat.numel())  # KS test at 0.1%
     # Extreme words map inside (0, 1) and stay finite through log(-log u).
     extremes = torch.tensor([[0x00000000, 0xFFFFFFFF]], dtype=torch.int64)
-    x = (extremes & sampler_mod._KEEP_HIGH23) | sampler_mod._HALF_STEP
-    u_ext = torch.mul(x, sampler_mod._INV_2_32)
+    x = (extremes & rng.KEEP_HIGH23) | rng.HALF_STEP
+    u_ext = torch.mul(x, rng.INV_2_32)
     assert (u_ext > 0).all() and (u_ext < 1).all()
     assert torch.isfinite(u_ext.log().neg().log()).all()
 

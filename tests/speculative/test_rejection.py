@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.sampling.sampler import SamplingState, sample, seed_key, vocab_hash
+from replaylm.kernels.counter_rng import seed_key, vocab_hash
+from replaylm.sampling.sampler import SamplingState, sample
 from replaylm.sampling_params import SamplingParams
 from replaylm.speculative.acceptance import emitted_rows, rejection_sample
 

@@ -1,9 +1,9 @@
 """A constrained step in two halves (``structured.masks``, ``graphs.whole``): its forward is
 launched before the step in flight is waited for, the grammars advance and the masks are
-filled after that wait (while a worker thread applies the step in flight), and its tail (mask, greedy argmax, sampler) comes last; outputs are
-those of an eager engine without overlap scheduling, in every graph mode (CPU stand-in, with
-graph checks and poisoned padding on), with constrained and unconstrained requests mixed, and
-through speculative verify steps."""
+filled after that wait (while a worker thread applies the step in flight), and its tail
+(mask, sampler) comes last; outputs are those of an eager engine without overlap
+scheduling, in every graph mode (CPU stand-in, with graph checks and poisoned padding on),
+with constrained and unconstrained requests mixed, and through speculative verify steps."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def reference() -> list[list[int]]:
 def _instrument(core, monkeypatch) -> list:
     """Log, in host order: each launch (its schedule, whether it samples a constrained
     request, the step in flight), every forward (the LM head), every real wait for a step's
-    tokens, every mask fill, every step applied, every greedy argmax (the tail), whether each
+    tokens, every mask fill, every step applied, every sampler launch (the tail), whether each
     launched step was kept in flight, and the scheduler's integrity after each step."""
     log: list = []
     model, structured = core.runner.model, core.structured
     compute, wait, prepare = model.compute_logits, core.wait, structured.prepare
-    launch, due, argmax, apply = core.launch, core.due, whole.argmax_rows, core.apply
+    launch, due, tail_sample, apply = core.launch, core.due, whole.race_rows, core.apply
     step = core.step
 
     def logged_launch(out, **kw):
@@ -108,8 +108,8 @@ def _instrument(core, monkeypatch) -> list:
         log.append(("prepare",)), prepare(out, alongside))[1])
     monkeypatch.setattr(model, "compute_logits", lambda *a, **k: (log.append(("forward",)),
                                                                   compute(*a, **k))[1])
-    monkeypatch.setattr(whole, "argmax_rows", lambda *a, **k: (log.append(("argmax",)),
-                                                               argmax(*a, **k))[1])
+    monkeypatch.setattr(whole, "race_rows", lambda *a, **k: (log.append(("sample",)),
+                                                             tail_sample(*a, **k))[1])
     return log
 
 
@@ -145,11 +145,11 @@ def test_forward_runs_before_the_wait_and_outputs_are_unchanged(mode, reference,
     for inflight, ev in overlapped:
         # The step's forward, then the wait for the step in flight (nothing else waited for),
         # then the mask fill, during which the step in flight is applied, then the tail's
-        # argmax.
+        # sampler.
         forward, waited = _first(ev, "forward"), _first(ev, "wait")
         filled = _first(ev, "prepare")
         applied = _first(ev, "apply", filled)
-        assert forward < waited < filled < applied < _first(ev, "argmax", filled), ev
+        assert forward < waited < filled < applied < _first(ev, "sample", filled), ev
         assert [e[1] for e in ev if e[0] == "wait"] == [inflight]
         assert [e[1] for e in ev if e[0] == "apply"] == [inflight]
     for constrained, _, ev, _ in launches:
