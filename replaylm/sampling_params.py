@@ -261,3 +261,13 @@ def _float(name: str, value: object, lo: float, hi: float, note: str = "",
     bottom = "1.2e-38" if lo == FLOAT32_TINY else f"{lo:g}"
     _check(ok, name, value, f"must be a finite number in {'(' if low_open else '['}{bottom}, "
            f"{top}]" + (f" {note}" if note else ""))
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """Sibling ``index``'s seed among ``n`` samples of one request: sibling 0 keeps the
+    request's seed (so ``n=1`` and the first of ``n`` agree); the others get distinct streams
+    derived from ``(seed, index)``. A negative seed is returned as it is, for
+    ``SamplingParams`` to reject by name."""
+    if index == 0 or seed < 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63

@@ -11,7 +11,7 @@ from replaylm.config import EngineArgs
 from replaylm.engine.adapters import AdapterRequests
 from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.draft_runner import load_draft_runner
-from replaylm.engine.launched import Launched
+from replaylm.engine.launched import Booked, Launched
 from replaylm.engine.loading import load_model_config, load_tokenizer, resolve_weights_dir
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.observer import NO_OBSERVER, StepObserver
@@ -27,7 +27,7 @@ from replaylm.graphs.runtime import Agree
 from replaylm.lora.manager import LoRAManager
 from replaylm.lora.request import LoRARequest
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
-from replaylm.sampling_params import SamplingParams
+from replaylm.sampling_params import SamplingParams, sibling_seed
 from replaylm.structured.masks import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,9 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         self.overlap = args.overlap_scheduling and (
             self.speculation is None or self.speculation.overlaps)
         self.inflight: Launched | None = None  # launched, not yet resolved (overlap)
+        # Scheduled and booked as launched while a constrained step's masks filled; the next
+        # step launches it (``launch``).
+        self.booked: Booked | None = None
         # Structured outputs (``replaylm.structured``): grammar matchers, per-slot masks. A
         # step that samples a constrained request fills its masks while its forward runs.
         self.structured = StructuredOutputs(self.runner.buffers, cfg.vocab_size)
@@ -210,7 +213,8 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         """Nothing to end: this engine holds no process (``Engine`` protocol)."""
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self.inflight is not None
+        return (self.scheduler.has_unfinished or self.inflight is not None
+                or self.booked is not None)
 
     # The step --------------------------------------------------------------------------------
 
@@ -229,8 +233,9 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         """
         self.step_observer.begin()
         if self.speculation is None:
-            out = self.scheduler.schedule()
-            launched, deltas = self.launch(out, apply_inflight=True)
+            booked, self.booked = self.booked, None
+            out = booked.out if booked is not None else self.scheduler.schedule()
+            launched, deltas = self.launch(out, apply_inflight=True, booked=booked)
             for due in self.due(launched, keep_in_flight=self.overlap):
                 deltas += self.resolve(due)
         else:
@@ -239,14 +244,16 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         self.step_observer.end(launched is not None)
         return deltas
 
-    def launch(self, out: SchedulerOutput, apply_inflight: bool = False
-               ) -> tuple[Launched | None, list[RequestDelta]]:
+    def launch(self, out: SchedulerOutput, apply_inflight: bool = False,
+               booked: Booked | None = None) -> tuple[Launched | None, list[RequestDelta]]:
         """Launch ``out``; the launched step, and the deltas of requests that failed on the way
         in. Nothing waits for the device but a step that samples a constrained request: once
         its forward is launched, it waits for the step in flight, whose tokens its grammars
         take before its masks are filled (``structured.masks``); with ``apply_inflight`` that
-        step is then applied while the masks fill, and its deltas come first. A data-parallel
-        rank with nothing scheduled runs its part of the ranks' step idle."""
+        step is then applied while the masks fill, its deltas come first, and the next step is
+        scheduled, built and booked as launched right after it (``Booked``: the next ``step``
+        launches it), so the host's scheduling overlaps the fill rather than following it. A
+        data-parallel rank with nothing scheduled runs its part of the ranks' step idle."""
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
             if self.agree is not None:
@@ -264,8 +271,10 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
 
         def apply() -> None:  # the step in flight, after this one (launched) in the books
             nonlocal applied
-            self.scheduler.launched(out)
+            if booked is None:
+                self.scheduler.launched(out)
             applied = self.resolve(inflight)
+            self._book_next()
 
         def between() -> None:  # the forward is on the device, the tail (masks) is not
             if inflight is not None:
@@ -273,10 +282,12 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
             structured.prepare(out, apply if apply_inflight and inflight is not None else None)
 
         pending, dispatch, padded = self.runner.execute(
-            out, on_launch=before_launch, agree=self.agree, on_forward=between if split else None)
+            out, on_launch=before_launch, agree=self.agree, on_forward=between if split else None,
+            host=booked.host if booked is not None else None)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
         if applied is None:
-            self.scheduler.launched(out)
+            if booked is None:
+                self.scheduler.launched(out)
         else:
             self.inflight = None  # applied while the masks filled
         errors = (applied or []) + [self._fail(req, e)
@@ -287,6 +298,16 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
             fallback_reason=dispatch.reason, prefill_tokens=out.num_prefill_tokens,
         ))
         return Launched(out, pending, dispatch, padded), errors
+
+    def _book_next(self) -> None:
+        """Schedule what the next ``step`` would, build its host batch and book it as launched
+        (its requests then count as in flight: an abort parks them); ``step`` launches it."""
+        upcoming = self.scheduler.schedule()
+        if upcoming.is_empty:
+            self.stats.preemptions += len(upcoming.preempted)
+            return
+        self.booked = Booked(upcoming, self.runner.build(upcoming))  # before it is booked
+        self.scheduler.launched(upcoming)
 
     def due(self, launched: Launched | None, keep_in_flight: bool) -> list[Launched]:
         """The steps to resolve now, in launch order: the one in flight, and ``launched``
@@ -374,14 +395,6 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
             self.stats.prefix_cache_hit_tokens = cache.hit_tokens
             self.stats.kv_blocks_cached = len(cache.entries)
             self.stats.prefix_cache_evictions = cache.evictions
-
-
-def sibling_seed(seed: int, index: int) -> int:
-    """Sibling ``index``'s seed: sibling 0 keeps the request's seed (so ``n=1`` and the first of
-    ``n`` agree); the others get distinct streams derived from ``(seed, index)``."""
-    if index == 0:
-        return seed
-    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
 
 
 __all__ = ["EngineCore", "RequestStatus"]

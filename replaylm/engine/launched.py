@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from replaylm.batch import HostBatch
 from replaylm.config import EngineArgs
 from replaylm.engine.model_runner import ModelRunner
 from replaylm.engine.outputs import RequestDelta
@@ -28,6 +29,15 @@ class Launched:
     padded: int
     sampled: list[int] | None = None
     refused: list[tuple[Any, Exception]] | None = None
+
+
+@dataclass
+class Booked:
+    """A step scheduled, its host batch built and booked as launched (``Scheduler.launched``)
+    ahead of its launch (``EngineCore.launch``): its requests count as in flight."""
+
+    out: SchedulerOutput
+    host: HostBatch
 
 
 class StepHost(Protocol):

@@ -16,6 +16,7 @@ from replaylm.config import EngineArgs
 from replaylm.engine.kv_sizing import KVSizing
 from replaylm.engine.packing import build_host_batch
 from replaylm.engine.request import Request
+from replaylm.engine.runner_memory import RunnerMemory
 from replaylm.engine.runner_setup import (
     RunnerStartup,
     make_attention_backend,
@@ -29,7 +30,6 @@ from replaylm.engine.step_input import (
     prompt_plan,
     sent_to_group,
 )
-from replaylm.graphs.audit import AuditReport
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
@@ -37,7 +37,7 @@ from replaylm.lora.peft import load_adapter
 from replaylm.lora.request import LoRARequest
 from replaylm.lora.slots import LoRASlots
 from replaylm.memory.arena import Arena, Region, adopt_parameters
-from replaylm.memory.sleep import Sleeper, SleepReport, WakeReport
+from replaylm.memory.sleep import Sleeper
 from replaylm.model.compressed_tensors import fp8_scheme
 from replaylm.model.config import ModelConfig
 from replaylm.model.llama import CausalLM
@@ -48,7 +48,6 @@ from replaylm.model.parallel import (
     dp_attention_config,
     shard_config,
 )
-from replaylm.model.weight_update import Source, WeightUpdate, update_weights
 from replaylm.sampling.bitmask import apply_token_bitmask
 from replaylm.sampling.step import (
     Accept,
@@ -62,7 +61,7 @@ from replaylm.speculative.config import SpecConfig
 
 log = logging.getLogger(__name__)
 
-class ModelRunner(RunnerStartup, KVSizing):
+class ModelRunner(RunnerStartup, KVSizing, RunnerMemory):
     """Owns one model, its KV pool, its graphs and the per-slot sampling state; runs steps.
 
     ``kv_partner``: a second pool sized with this one (a draft model's,
@@ -243,12 +242,20 @@ class ModelRunner(RunnerStartup, KVSizing):
         """Write a newly slotted request's sampling settings into its slot."""
         self.sampler.admit(req)
 
+    def build(self, out: SchedulerOutput) -> HostBatch:
+        """Step ``out``'s host batch (``engine.packing``), from its requests' state before the
+        step is booked as launched (``Scheduler.launched``)."""
+        spec = self.spec
+        pad_to = spec.num_speculative_tokens + 1 if spec and spec.verify == "padded" else 0
+        return build_host_batch(out, self.max_blocks_per_req, pad_to, self.max_model_len)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, on_launch: Callable[[], None] | None = None,
-                agree: Agree | None = None, on_forward: Callable[[], None] | None = None
-                ) -> tuple[PendingStep | None, Dispatch, int]:
+                agree: Agree | None = None, on_forward: Callable[[], None] | None = None,
+                host: HostBatch | None = None) -> tuple[PendingStep | None, Dispatch, int]:
         """Launch one step; returns the pending samples, the dispatch and the padded size.
-        ``agree``: data-parallel tier agreement (``GraphRuntime.dispatch``).
+        ``agree``: data-parallel tier agreement (``GraphRuntime.dispatch``); ``host``: its
+        host batch, when built already (``build``).
 
         Nothing here waits for the device (``on_forward`` may): the samples are read later,
         from the ``PendingStep``. ``on_launch`` runs after the host-only work, right before
@@ -256,9 +263,8 @@ class ModelRunner(RunnerStartup, KVSizing):
         the step's forward is launched, before its tail (masks, the samples)
         is (``GraphRuntime.run``'s ``between``), so the host works while the forward runs.
         """
-        spec = self.spec
-        pad_to = spec.num_speculative_tokens + 1 if spec and spec.verify == "padded" else 0
-        host = build_host_batch(out, self.max_blocks_per_req, pad_to, self.max_model_len)
+        if host is None:
+            host = self.build(out)
         self.layout_pad_tokens = host.layout_pad_tokens  # the latest step's (spec stats)
         if on_launch is not None:
             on_launch()
@@ -350,34 +356,6 @@ class ModelRunner(RunnerStartup, KVSizing):
         if self.broadcast is not None:
             self.broadcast(("idle",))
         return self.graphs.run_idle(agree)
-
-    def update_weights(self, source: Source) -> WeightUpdate:
-        """Copy new weights into this runner's model in place (``model.weight_update``)."""
-        return update_weights(self.model, source, self.full_cfg)
-
-    def sleep(self, level: int) -> SleepReport:
-        """Release the weights' (level 1: kept on the host) and the KV pool's memory
-        (``memory.sleep``); needs ``enable_sleep_mode``."""
-        if self.sleeper is None:
-            raise ValueError("sleep needs EngineArgs.enable_sleep_mode=True (the weights and "
-                             "the KV pool must live in address-stable memory)")
-        return self.sleeper.sleep(level)
-
-    def prepare_sleep(self) -> None:
-        """With sleep mode and ``sleep_pin_ahead``: pin level 1's host copy on a background
-        thread (``Sleeper.prepare_host``). Called once no graph will be captured any more."""
-        if self.sleeper is not None and self.args.sleep_pin_ahead:
-            self.sleeper.prepare_host()
-
-    def wake_up(self) -> WakeReport:
-        """Map the memory back at the same addresses (``memory.sleep``)."""
-        if self.sleeper is None:
-            raise ValueError("wake_up needs EngineArgs.enable_sleep_mode=True")
-        return self.sleeper.wake()
-
-    def audit_graphs(self) -> AuditReport:
-        """The pointer audit of every captured graph (``graphs.audit``)."""
-        return self.graphs.audit(self.arena)
 
     def _run_with_prompt_rows(self, host: HostBatch, plan: PromptLogprobPlan, pad_to: int = 0,
                               on_forward: Callable[[], None] | None = None):

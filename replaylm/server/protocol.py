@@ -21,6 +21,7 @@ from replaylm.sampling_params import (
     STRUCTURED_KINDS,
     SamplingParams,
     StructuredOutputsParams,
+    sibling_seed,
 )
 
 MAX_N = 16  # choices per request: more is almost surely a client bug, and each costs a slot
@@ -316,7 +317,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, sibling: in
     if body.seed is not None:
         # Sibling 0 keeps the seed (n=1 answers as LLM.generate does); others get distinct
         # streams, or n seeded choices would all be the same text.
-        kw["seed"] = body.seed if sibling == 0 else _sibling_seed(body.seed, sibling)
+        kw["seed"] = sibling_seed(body.seed, sibling)
     optional = {
         "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
         "include_stop_str_in_output": body.include_stop_str_in_output,
@@ -392,8 +393,3 @@ def structured_params(body: _SamplingBody) -> tuple[StructuredOutputsParams | No
     except ValueError as e:
         raise APIError(str(e), param=source) from e
 
-
-def _sibling_seed(seed: int, i: int) -> int:
-    if not 0 <= seed < 2**63:
-        return seed  # let SamplingParams reject it, naming the field
-    return (seed + i * 0x9E3779B97F4A7C15) % 2**63

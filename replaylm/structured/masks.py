@@ -4,17 +4,15 @@ Each constrained request holds an xgrammar ``GrammarMatcher`` (``Request.grammar
 step that samples it, ``prepare`` fills the matcher's next-token bitmask on the host
 (xgrammar's ``fill_next_token_bitmask``) into the request's slot row and copies that row into
 the graphs' static ``token_bitmask`` buffer; the slot's ``bitmask_on`` flag says the row
-applies. The step's tail (``graphs.whole``: mask, then greedy argmax) applies it to the row's
-logits, and the sampler reads the masked logits, so constrained steps replay graphs like any
-other.
+applies. The step's tail (``graphs.whole``: mask, then the samples) applies it to the row's logits
+before they are sampled, so constrained steps replay graphs like any other.
 
 **A step in two halves.** A step that samples a constrained request (``in_step``) runs its
 forward before its masks exist: ``begin`` (before the step's first device operation) sets the
 slot flags of newly slotted requests; the model runner then launches the forward (the step
 graph applies no masks), and only then does the engine wait for the step in flight, let the
 grammars take its tokens (``advance``) and fill the masks (``prepare``), while the device
-runs the forward; the step's tail, launched after that, masks the rows and takes their
-greedy samples (``EngineCore.launch``, ``ModelRunner.execute``'s ``on_forward``). Steps that
+runs the forward; the step's tail, launched after that, masks the rows and samples them (``EngineCore.launch``, ``ModelRunner.execute``'s ``on_forward``). Steps that
 sample no constrained request run ``begin`` alone (slot flags) and the step graph alone.
 
 **Overlap rule.** A mask for step N+1 depends on the token step N samples, and with overlap
@@ -33,8 +31,9 @@ it samples is dropped).
 
 **Applying the step in flight meanwhile.** The fill holds no GIL (xgrammar's C++), so while
 the engine thread fills, a worker thread applies the step in flight (``alongside``: outputs,
-stop checks, detokenizing), the host work that would otherwise follow the tail's launch; the
-engine thread waits for it before the tail. The roles are not the other way round: the
+stop checks, detokenizing) and books the next step (``EngineCore.launch``), the host work
+that would otherwise follow the tail's launch; the engine thread waits for it before the
+tail. The roles are not the other way round: the
 engine thread holds the GIL as it enters the fill, whereas a fill started on a worker would
 wait for the GIL until the engine thread's apply let go of it (every switch interval, 5 ms),
 that is, until the apply ended. One thread at a time runs the engine's Python, so the apply

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from replaylm import LLM, SamplingParams
-from replaylm.engine.core import sibling_seed
+from replaylm.sampling_params import sibling_seed
 
 
 @pytest.fixture(scope="module")
