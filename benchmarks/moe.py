@@ -21,7 +21,18 @@ read); the per-assignment path may read repeats, which then come from L2 at best
 summary names the fastest path per ``T``, the best tile of each GEMV against the picked
 one, and the largest ``T`` at which the GEMVs beat the grouped path.
 
+``--grouped-sweep`` times only the grouped path's launch configs (``moe.GroupedConfig``), at
+``--grouped-tokens``: for each ``BLOCK_M`` of ``moe.BLOCK_MS`` the grouping (one launch,
+``moe_align.align_kernel``, against the torch ops, ``align_reference``) and each GEMM
+kernel with every tile of ``moe.TILE_CANDIDATES`` (in GB/s of its distinct experts' weight
+bytes; ``max_diff``: its largest difference from the default tile's output, which is
+rounding only); then the whole path (grouping, both GEMMs, the sum) with the picked config
+and with the best of each kernel at the ``BLOCK_M`` whose sum is least. The summary gives,
+per shape and ``T``, the mean assignments per expert (``pick_config``'s key), the best
+config as a ``moe.CONFIGS`` entry, and its time against the picked one.
+
     PYTHONPATH=. python benchmarks/moe.py --json moe.json
+    PYTHONPATH=. python benchmarks/moe.py --grouped-sweep --json moe_grouped.json
 """
 
 from __future__ import annotations
@@ -29,17 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import astuple
 
 import torch
 import triton
 
-from replaylm.kernels import moe, moe_decode, moe_route, ops, ref
+from replaylm.kernels import moe, moe_align, moe_decode, moe_route, ops, ref
 from replaylm.kernels.tuner import graph_time_us
 from replaylm.model.config import ModelConfig
 from replaylm.model.shapes import NAMED_SHAPES, hf_config_from_dict
 
 CALLS = 24  # calls per timed graph, each on its own routing
 COPIES = 3  # copies of the layer's experts the calls cycle through
+DEVICE = "cuda"
 
 
 def expert_shape(name: str) -> dict:
@@ -53,7 +66,7 @@ class Layer:
     """``COPIES`` copies of one layer's experts, ``CALLS`` routings of ``T`` tokens."""
 
     def __init__(self, shape: dict, t: int, dtype: torch.dtype, seed: int) -> None:
-        dev = torch.device("cuda")
+        dev = torch.device(DEVICE)
         g = torch.Generator(device=dev).manual_seed(seed)
         e, h, i, k = shape["experts"], shape["hidden"], shape["inter"], shape["top_k"]
         self.w_gate_up = [torch.randn(e, 2 * i, h, generator=g, device=dev, dtype=dtype) * 0.02
@@ -179,6 +192,95 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def config_source(config: moe.GroupedConfig) -> str:
+    """``config`` as it is written in ``moe.CONFIGS``."""
+    return (f"GroupedConfig({config.block_m}, Tile{astuple(config.gate_up)}, "
+            f"Tile{astuple(config.down)})")
+
+
+def grouped_sweep(name: str, shape: dict, t: int, dtype: torch.dtype,
+                  ceiling: float) -> tuple[list[dict], dict]:
+    """The grouped path's configs for one shape at ``T`` tokens: every timing, and the
+    summary line."""
+    e, k, h, i = shape["experts"], shape["top_k"], shape["hidden"], shape["inter"]
+    layer = Layer(shape, t, dtype, seed=t)
+    rows = []
+
+    def row(path: str, us: float, nbytes: float, **extra) -> dict:
+        r = {"shape": name, "T": t, "path": path, "us": round(us, 2), **extra}
+        if nbytes:
+            r["GBps"] = round(nbytes / us / 1e3, 1)
+            r["of_copy"] = round(nbytes / us / 1e3 / ceiling, 3)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        return r
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return round((a.float() - b.float()).abs().max().item(), 5)
+
+    per_block_m = {}
+    for bm in moe.BLOCK_MS:
+        groups = [moe_align.align(ids, e, bm) for ids in layer.ids]
+        kernel_us = time_calls(lambda n, bm=bm: moe_align.align_kernel(layer.ids[n], e, bm))
+        torch_us = time_calls(lambda n, bm=bm: moe_align.align_reference(layer.ids[n], e, bm))
+        row("align:kernel", kernel_us, 0, block_m=bm)
+        row("align:torch", torch_us, 0, block_m=bm)
+
+        def gate_up(n: int, tile: moe.Tile, bm: int = bm, groups: list = groups):
+            return moe.grouped_gate_up(layer.x, layer.w_gate_up[n % COPIES], *groups[n], k,
+                                       bm, tile)
+
+        inters = [gate_up(n, moe.Tile()) for n in range(CALLS)]
+
+        def down(n: int, tile: moe.Tile, bm: int = bm, groups: list = groups,
+                 inters: list = inters):
+            return moe.grouped_down(inters[n], layer.w_down[n % COPIES], *groups[n],
+                                    layer.weights[n], bm, tile)
+
+        best = {}
+        for kernel, fn, nbytes in (("gate_up", gate_up, layer.gate_up_bytes),
+                                   ("down", down, layer.down_bytes)):
+            want = fn(0, moe.Tile())
+            timed = []
+            for tile in moe.TILE_CANDIDATES:
+                us = time_calls(lambda n, fn=fn, tile=tile: fn(n, tile))
+                timed.append(row(f"grouped:{kernel}", us, nbytes, block_m=bm,
+                                 tile=list(astuple(tile)), max_diff=diff(fn(0, tile), want)))
+            best[kernel] = min(timed, key=lambda r: r["us"])
+        per_block_m[bm] = {"align_us": kernel_us, "align_torch_us": torch_us,
+                           "gate_up": best["gate_up"], "down": best["down"],
+                           "sum_us": round(kernel_us + best["gate_up"]["us"]
+                                           + best["down"]["us"], 2)}
+
+    bm = min(per_block_m, key=lambda b: per_block_m[b]["sum_us"])
+    best = moe.GroupedConfig(bm, moe.Tile(*per_block_m[bm]["gate_up"]["tile"]),
+                             moe.Tile(*per_block_m[bm]["down"]["tile"]))
+    picked = moe.pick_config(t * k, e, i, h)
+    both = layer.gate_up_bytes + layer.down_bytes
+    at = {}
+    for label, config in (("picked", picked), ("best", best)):
+        at[label] = row(f"experts:{label}", time_calls(
+            lambda n, config=config: moe.fused_moe(*layer.args(n), config=config)), both,
+            config=config_source(config))
+    got = moe.fused_moe(*layer.args(0), config=best)
+    want = moe.fused_moe(*layer.args(0), config=picked)
+    summary = {"shape": name, "T": t, "assignments_per_expert": round(t * k / e, 2),
+               "distinct_experts": round(layer.distinct, 1),
+               "picked": {"config": config_source(picked), "us": at["picked"]["us"]},
+               "best": {"config": config_source(best), "us": at["best"]["us"],
+                        "GBps": at["best"]["GBps"], "of_copy": at["best"]["of_copy"],
+                        "max_diff_vs_picked": diff(got, want)},
+               "picked_over_best": round(at["picked"]["us"] / at["best"]["us"], 3),
+               "per_block_m": {b: {"align_us": round(v["align_us"], 2),
+                                   "align_torch_us": round(v["align_torch_us"], 2),
+                                   "gate_up": [v["gate_up"]["tile"], v["gate_up"]["us"]],
+                                   "down": [v["down"]["tile"], v["down"]["us"]],
+                                   "sum_us": v["sum_us"]}
+                               for b, v in per_block_m.items()}}
+    print(json.dumps(summary), flush=True)
+    return rows, summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen1.5-moe-a2.7b,qwen3-30b-a3b")
@@ -188,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                          "is timed")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="skip timing the tile candidates")
+    ap.add_argument("--grouped-sweep", action="store_true",
+                    help="time only the grouped path's launch configs, at --grouped-tokens")
+    ap.add_argument("--grouped-tokens", default="16,64,256")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     start = time.perf_counter()
@@ -195,14 +300,26 @@ def main(argv: list[str] | None = None) -> int:
     sweep_tokens = {int(v) for v in ns.sweep_tokens.split(",")}
     ceiling = copy_gbps()
     print(json.dumps({"copy_GBps": round(ceiling, 1)}), flush=True)
-    rows = []
+    rows, summary = [], []
     for name in ns.shapes.split(","):
         shape = expert_shape(name)
+        if ns.grouped_sweep:
+            for t in (int(v) for v in ns.grouped_tokens.split(",")):
+                more, line = grouped_sweep(name, shape, t, torch.bfloat16, ceiling)
+                rows += more
+                summary.append(line)
+                torch.cuda.empty_cache()
+            continue
         for t in tokens:
             sweep = ns.sweep and t in sweep_tokens
             rows += bench_tokens(name, shape, t, torch.bfloat16, sweep, ceiling)
             torch.cuda.empty_cache()
-    summary = summarize(rows)
+    if not ns.grouped_sweep:
+        summary = summarize(rows)
+    for line in summary if ns.grouped_sweep else ():
+        print(f"# {line['shape']} T={line['T']} ({line['assignments_per_expert']} per expert): "
+              f"{line['best']['config']} {line['best']['us']} us, {line['best']['GBps']} GB/s; "
+              f"picked {line['picked']['us']} us")
     seconds = round(time.perf_counter() - start, 1)
     print(f"# {len(rows)} timings in {seconds} s on {torch.cuda.get_device_name()}")
     if ns.json:

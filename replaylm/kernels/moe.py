@@ -1,63 +1,108 @@
 """Grouped routed experts for MoE layers: the Triton path of ``fused_moe``.
 
 Graph safe: no host sync and no data-dependent shape. The ``T × top_k`` (token, expert)
-assignments are grouped by expert on the device (:func:`align`): each expert's assignments
-fill whole tiles of ``BLOCK_M`` slots, and the number of tiles is the host-known bound
-``T·k // BLOCK_M + min(E, T·k)``, so a capture at a tier serves any routing. Tiles past
+assignments are grouped by expert on the device (``kernels.moe_align``): each expert's
+assignments fill whole tiles of ``BLOCK_M`` slots, and the number of tiles is the host-known
+bound ``T·k // BLOCK_M + min(E, T·k)``, so a capture at a tier serves any routing. Tiles past
 the last expert's are marked empty and their programs return at once. Each tile then runs
 one expert's grouped GEMMs: gate/up with SiLU·mul (``_gate_up_kernel``) into an
 intermediate buffer, and down scaled by the routing weight (``_down_kernel``) into one row
 per assignment; the ``k`` rows of a token are summed last. A tile reads only its expert's
-weights, so a batch-1 decode step reads the ``k`` chosen experts and no other.
+weights, so a batch-1 decode step reads the ``k`` chosen experts and no other. Four
+launches in all: grouping, the two GEMMs, the sum.
+
+Launch shapes are a :class:`GroupedConfig` (``BLOCK_M`` and each kernel's :class:`Tile`):
+:func:`pick_config` takes one from ``CONFIGS`` by the routing's mean assignments per
+expert; ``benchmarks/moe.py --grouped-sweep`` times the ``BLOCK_MS`` × ``TILE_CANDIDATES``.
 
 Rounding follows ``ref.fused_moe`` (projections accumulate in fp32 and round to the model
 dtype, as ``linear`` does); the sum over a token's experts runs in top-k order, not expert
-order, so results agree with the reference to rounding, not bit for bit.
+order, so results agree with the reference to rounding, not bit for bit. A row's result
+depends on its own inputs only, in a reduction order set by ``BLOCK_K``: two configs agree
+to rounding, one config with itself bit for bit.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from replaylm.kernels.dot import dot
+from replaylm.kernels.moe_align import align
 
-BLOCK_M = 16  # slots per tile (tl.dot needs at least 16)
-
-
-def max_tiles(num_assignments: int, num_experts: int, block_m: int = BLOCK_M) -> int:
-    """Tiles any routing of ``num_assignments`` over ``num_experts`` can fill: the sum over
-    used experts of ``ceil(count / block_m)`` is at most ``A // block_m + min(E, A)``."""
-    return num_assignments // block_m + min(num_experts, num_assignments)
+#: Slots per tile :class:`GroupedConfig` allows (``tl.dot`` needs at least 16 rows).
+BLOCK_MS = (16, 32, 64)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the assignments ``topk_ids`` ``[T, k]`` by expert in tiles of ``block_m``.
+@dataclass(frozen=True)
+class Tile:
+    """One grouped GEMM's launch: output strips of ``block_n`` columns, reduction chunks of
+    ``block_k``, and Triton's ``num_warps`` and ``num_stages`` (software-pipeline depth of
+    the chunk loop)."""
 
-    Returns ``slot_rows`` ``[tiles · block_m]`` (int32: the flat assignment ``t·k + j`` in
-    each slot, ``T·k`` for an empty one) and ``tile_expert`` ``[tiles]`` (int32: the
-    tile's expert, -1 past the last used tile), ``tiles`` = :func:`max_tiles`.
-    """
-    flat = topk_ids.flatten()
-    a = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    first = counts.cumsum(0) - counts  # each expert's first position in expert order
-    order = torch.sort(flat, stable=True).indices  # assignments in expert order
-    experts = flat[order]
-    slots = padded_end[experts] - padded[experts] + torch.arange(a, device=flat.device) \
-        - first[experts]
-    tiles = max_tiles(a, num_experts, block_m)
-    slot_rows = torch.full((tiles * block_m,), a, dtype=torch.int32, device=flat.device)
-    slot_rows.scatter_(0, slots, order.to(torch.int32))
-    starts = torch.arange(tiles, device=flat.device) * block_m
-    tile_expert = torch.searchsorted(padded_end, starts, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return slot_rows, tile_expert
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v}: a power of two >= 16 (tl.dot)")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps={self.num_warps}, num_stages={self.num_stages}")
+
+    def fit(self, n: int, k: int) -> Tile:
+        """This tile with strips and chunks no longer than ``n`` and ``k`` need (their next
+        power of two, 16 at least): the same program on small shapes, without idle lanes."""
+        return replace(self, block_n=min(self.block_n, max(16, triton.next_power_of_2(n))),
+                       block_k=min(self.block_k, max(16, triton.next_power_of_2(k))))
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """The grouped path's launch shapes: ``block_m`` slots per tile (grouping and both
+    GEMMs), the gate/up kernel's :class:`Tile` (strips of the ``I`` intermediate columns,
+    chunks of ``H``) and the down kernel's (strips of ``H``, chunks of ``I``)."""
+
+    block_m: int = 16
+    gate_up: Tile = field(default_factory=Tile)
+    down: Tile = field(default_factory=Tile)
+
+    def __post_init__(self) -> None:
+        if self.block_m not in BLOCK_MS:
+            raise ValueError(f"block_m={self.block_m}: one of {BLOCK_MS}")
+
+
+#: ``(most assignments per expert, config)`` in increasing order of the bound:
+#: :func:`pick_config` takes the first row whose bound is at least the routing's mean load
+#: ``T·k / E`` (measured per (shape, T) by ``benchmarks/moe.py --grouped-sweep``).
+CONFIGS: tuple[tuple[float, GroupedConfig], ...] = (
+    (math.inf, GroupedConfig()),
+)
+#: Tiles ``(block_n, block_k, num_warps, num_stages)`` the sweep times for each kernel at
+#: each of ``BLOCK_MS``.
+TILE_CANDIDATES: tuple[Tile, ...] = (
+    Tile(64, 64, 4, 3), Tile(64, 64, 4, 5), Tile(32, 64, 4, 4), Tile(32, 128, 4, 3),
+    Tile(32, 256, 4, 3), Tile(64, 128, 4, 3), Tile(64, 128, 8, 4), Tile(128, 64, 4, 3),
+    Tile(128, 64, 8, 4),
+)
+
+
+def pick_config(num_assignments: int, num_experts: int, inter_size: int, hidden: int,
+                ) -> GroupedConfig:
+    """The ``CONFIGS`` row for ``num_assignments`` (``T·k``) over ``num_experts``, its tiles
+    fitted to the shapes (gate/up: strips of ``inter_size``, chunks of ``hidden``; down the
+    other way round)."""
+    load = num_assignments / num_experts
+    config = next(c for bound, c in CONFIGS if load <= bound)
+    return replace(config, gate_up=config.gate_up.fit(inter_size, hidden),
+                   down=config.down.fit(hidden, inter_size))
 
 
 @triton.jit
@@ -145,31 +190,59 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, slot_rows_ptr, tile_expert_ptr, weight
              mask=valid[:, None] & n_mask[None, :])
 
 
+def grouped_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, slot_rows: torch.Tensor,
+                    tile_expert: torch.Tensor, top_k: int, block_m: int, tile: Tile,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of each slot's token through its tile's expert (``[tiles ·
+    block_m, I]``; an empty slot's row is unspecified), from :func:`align`'s grouping."""
+    t, h = x.shape
+    tiles = tile_expert.shape[0]
+    inter_size = w_gate_up.shape[1] // 2
+    inter = torch.empty(tiles * block_m, inter_size, dtype=x.dtype, device=x.device)
+    if tiles:
+        _gate_up_kernel[(tiles, triton.cdiv(inter_size, tile.block_n))](
+            x.contiguous(), w_gate_up.contiguous(), _scale_arg(scale, w_gate_up), slot_rows,
+            tile_expert, inter, t * top_k, H=h, INTER=inter_size, TOP_K=top_k,
+            BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            HAS_SCALE=scale is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return inter
+
+
+def grouped_down(inter: torch.Tensor, w_down: torch.Tensor, slot_rows: torch.Tensor,
+                 tile_expert: torch.Tensor, topk_weights: torch.Tensor, block_m: int,
+                 tile: Tile, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight · (inter[slot] @ down_e^T)`` for every assignment (``[T·k, H]``, row
+    ``t·k + j``), from :func:`grouped_gate_up`'s rows."""
+    h, inter_size = w_down.shape[1:]
+    num_assign = topk_weights.numel()
+    out = torch.empty(num_assign, h, dtype=inter.dtype, device=inter.device)
+    tiles = tile_expert.shape[0]
+    if tiles:
+        _down_kernel[(tiles, triton.cdiv(h, tile.block_n))](
+            inter, w_down.contiguous(), _scale_arg(scale, w_down), slot_rows, tile_expert,
+            topk_weights.to(inter.dtype).contiguous().flatten(), out, num_assign, H=h,
+            INTER=inter_size, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            HAS_SCALE=scale is not None, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-              block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+              config: GroupedConfig | None = None) -> torch.Tensor:
     """``ref.fused_moe`` through the grouped kernels (same arguments and result; FP8
-    experts with their scales too)."""
+    experts with their scales too); ``config``: :func:`pick_config`'s when None."""
     t, h = x.shape
     num_experts, two_i, _ = w_gate_up.shape
-    inter_size, top_k = two_i // 2, topk_ids.shape[1]
-    slot_rows, tile_expert = align(topk_ids, num_experts)
-    tiles = tile_expert.shape[0]
-    x = x.contiguous()
-    inter = torch.empty(tiles * BLOCK_M, inter_size, dtype=x.dtype, device=x.device)
-    per_assignment = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
-    if tiles == 0:  # no rows
+    top_k = topk_ids.shape[1]
+    if t * top_k == 0:  # no rows
         return torch.zeros_like(x)
-    _gate_up_kernel[(tiles, triton.cdiv(inter_size, block_n))](
-        x, w_gate_up.contiguous(), _scale_arg(gate_up_scale, w_gate_up), slot_rows,
-        tile_expert, inter, t * top_k, H=h, INTER=inter_size, TOP_K=top_k, BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=gate_up_scale is not None)
-    _down_kernel[(tiles, triton.cdiv(h, block_n))](
-        inter, w_down.contiguous(), _scale_arg(down_scale, w_down), slot_rows, tile_expert,
-        topk_weights.to(x.dtype).contiguous().flatten(), per_assignment, t * top_k, H=h,
-        INTER=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_SCALE=down_scale is not None)
+    config = config or pick_config(t * top_k, num_experts, two_i // 2, h)
+    slot_rows, tile_expert = align(topk_ids, num_experts, config.block_m)
+    inter = grouped_gate_up(x, w_gate_up, slot_rows, tile_expert, top_k, config.block_m,
+                            config.gate_up, gate_up_scale)
+    per_assignment = grouped_down(inter, w_down, slot_rows, tile_expert, topk_weights,
+                                  config.block_m, config.down, down_scale)
     return per_assignment.view(t, top_k, h).sum(dim=1)
 
 

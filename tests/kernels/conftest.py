@@ -33,7 +33,8 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny_split",
             "replaylm.kernels.skinny", "replaylm.kernels.tuner",
-            "replaylm.kernels.moe", "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
+            "replaylm.kernels.moe_align", "replaylm.kernels.moe",
+            "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
             "replaylm.kernels.ops",
             "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
 
@@ -77,6 +78,7 @@ def kernels():
                           elementwise=by_name["elementwise"],
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
+                          moe_align=by_name["moe_align"],
                           moe_decode=by_name["moe_decode"], moe_route=by_name["moe_route"],
                           lora=by_name["lora"], sample=by_name["sample"],
                           backend=TritonAttentionBackend())

@@ -103,6 +103,7 @@ def test_moe_fp8_experts(kernels, path):
                                           down_scale, gate_up_config=(16, 32, 4),
                                           down_config=(32, 16, 4))
     else:
+        tile = kernels.moe.Tile(16, 16)
         got = kernels.moe.fused_moe(x, gate_up, down, weights, ids, gate_up_scale,
-                                    down_scale, block_n=16, block_k=16)
+                                    down_scale, config=kernels.moe.GroupedConfig(16, tile, tile))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

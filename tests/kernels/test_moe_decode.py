@@ -111,8 +111,9 @@ def test_ops_switch_paths_at_the_threshold(kernels, monkeypatch, extra):
     for got in (kernels.moe_decode.gemv_moe(x, w_gate_up, w_down, weights, ids,
                                             gate_up_config=(16, 32, 4),
                                             down_config=(32, 16, 4)),
-                kernels.moe.fused_moe(x, w_gate_up, w_down, weights, ids, block_n=16,
-                                      block_k=16)):
+                kernels.moe.fused_moe(x, w_gate_up, w_down, weights, ids,
+                                      config=kernels.moe.GroupedConfig(
+                                          16, kernels.moe.Tile(16, 16), kernels.moe.Tile(16, 16)))):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
