@@ -82,8 +82,13 @@ class GroupedConfig:
 #: ``(most assignments per expert, config)`` in increasing order of the bound:
 #: :func:`pick_config` takes the first row whose bound is at least the routing's mean load
 #: ``T·k / E`` (measured per (shape, T) by ``benchmarks/moe.py --grouped-sweep``).
+#: One H200, 2026-12-03: at T = 16, 64 and 256 (about 1, 4 and 16 per expert on both the
+#: Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B shapes) the best of 54 configs, or within 1% of it
+#: on both shapes (docs/benchmarks.md, MoE).
 CONFIGS: tuple[tuple[float, GroupedConfig], ...] = (
-    (math.inf, GroupedConfig()),
+    (2.0, GroupedConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 3))),
+    (8.0, GroupedConfig(16, Tile(32, 128, 4, 3), Tile(64, 128, 4, 3))),
+    (math.inf, GroupedConfig(32, Tile(64, 128, 4, 3), Tile(64, 128, 4, 3))),
 )
 #: Tiles ``(block_n, block_k, num_warps, num_stages)`` the sweep times for each kernel at
 #: each of ``BLOCK_MS``.

@@ -36,7 +36,8 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.moe_align", "replaylm.kernels.moe",
             "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
             "replaylm.kernels.ops",
-            "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs", "replaylm.kernels.lora")
+            "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs",
+            "replaylm.kernels.lora")
 
 
 def _compiled_kernels(mod) -> bool:
