@@ -49,28 +49,43 @@ PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
 
 
 @triton.jit
-def _inv_rms(x_ptr, rows, row_ok, in_dim, stride_x, eps, BLOCK_M: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """``1 / rms`` of each of ``rows`` (``[BLOCK_M]``) over ``in_dim`` columns, in fp32."""
+def _norm_rows(x_ptr, r_ptr, rows, k, ok, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr):
+    """``x + residual`` at ``rows`` x ``k`` (``x`` alone without one), rounded to the model
+    dtype as the new residual is (``ref.add_rms_norm``)."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_r + k[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _inv_rms(x_ptr, r_ptr, rows, row_ok, in_dim, stride_x, stride_r, eps,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """``1 / rms`` of each of ``rows`` (``[BLOCK_M]``) of ``x + residual`` over ``in_dim``
+    columns, in fp32."""
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(0, in_dim, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (k < in_dim)[None, :]
-        v = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=ok,
-                    other=0.0).to(tl.float32)
+        v = _norm_rows(x_ptr, r_ptr, rows, k, ok, stride_x, stride_r,
+                       HAS_RESIDUAL).to(tl.float32)
         sq += tl.sum(v * v, axis=1)
     return tl.rsqrt(sq / in_dim + eps)
 
 
 @triton.jit
-def _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
-                 PROLOGUE: tl.constexpr):
+def _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x, stride_r,
+                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The shrink's input rows ``rows`` at columns ``k`` (``[BM, BK]``), in the model dtype,
     rounded as the separate ops round (``ref.lora_input``); 0 outside ``row_ok``."""
     k_ok = k < in_dim
     ok = row_ok[:, None] & k_ok[None, :]
     ptrs = x_ptr + rows[:, None] * stride_x + k[None, :]
-    x = tl.load(ptrs, mask=ok, other=0.0)
+    if PROLOGUE == 1:
+        x = _norm_rows(x_ptr, r_ptr, rows, k, ok, stride_x, stride_r, HAS_RESIDUAL)
+    else:
+        x = tl.load(ptrs, mask=ok, other=0.0)
     dt = x.dtype
     if PROLOGUE == 1:  # RMSNorm: fp32, rounded, then times the weight (rounded again)
         w = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -85,10 +100,11 @@ def _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
 
 
 @triton.jit(do_not_specialize=["in_dim"])
-def _shrink_kernel(x_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, eps, stride_x,
-                   stride_al, stride_ar, stride_pt, stride_ps, R: tl.constexpr,
-                   PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, eps,
+                   stride_x, stride_r, stride_al, stride_ar, stride_pt, stride_ps,
+                   R: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -101,12 +117,14 @@ def _shrink_kernel(x_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, ep
             row_ok = rows >= 0
             inv_rms = tl.full([1], 1.0, tl.float32)
             if PROLOGUE == 1:
-                inv_rms = _inv_rms(x_ptr, rows, row_ok, in_dim, stride_x, eps, 1, NORM_BLOCK)
+                inv_rms = _inv_rms(x_ptr, r_ptr, rows, row_ok, in_dim, stride_x, stride_r,
+                                   eps, 1, NORM_BLOCK, HAS_RESIDUAL)
             r = tl.arange(0, BLOCK_R)
             r_ok = r < rank
             k = split * RANGE_K + tl.arange(0, RANGE_K)
-            xv = _input_chunk(x_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_x,
-                              PROLOGUE).to(tl.float32)  # [1, RANGE_K]
+            xv = _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim,
+                              stride_x, stride_r, PROLOGUE,
+                              HAS_RESIDUAL).to(tl.float32)  # [1, RANGE_K]
             av = tl.load(a_ptr + slot * stride_al + (seg * R + r)[:, None] * stride_ar
                          + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :],
                          other=0.0).to(tl.float32)
@@ -156,13 +174,15 @@ def _in_dim(x: torch.Tensor, prologue: int) -> int:
 
 
 def _check(x: torch.Tensor, a: torch.Tensor, prologue: int,
-           norm_weight: torch.Tensor | None) -> int:
+           norm_weight: torch.Tensor | None, residual: torch.Tensor | None) -> int:
     """The shrink's input width; checks the shapes the kernels rely on."""
     in_dim = _in_dim(x, prologue)
     if a.shape[2] != in_dim:
         raise ValueError(f"LoRA A is [.., {a.shape[2]}] wide but its input rows give {in_dim}")
     assert x.stride(1) == 1 and a.stride(2) == 1
     assert (norm_weight is not None) == (prologue == PROLOGUE_NORM)
+    assert residual is None or (norm_weight is not None and residual.shape == x.shape
+                                and residual.stride(1) == 1), "a residual goes with the norm"
     assert norm_weight is None or (norm_weight.shape == (in_dim,) and norm_weight.stride(0) == 1)
     return in_dim
 
@@ -175,7 +195,7 @@ def _prologue(norm_weight: torch.Tensor | None, silu: bool) -> int:
     return PROLOGUE_SILU if silu else PROLOGUE_PLAIN
 
 
-def _segment_bounds(segments: tuple[int, ...], out_dim: int) -> tuple[int, int]:
+def segment_bounds(segments: tuple[int, ...], out_dim: int) -> tuple[int, int]:
     """The first column of the second and third output segment (``out_dim`` when none)."""
     assert 1 <= len(segments) <= 3 and sum(segments) == out_dim
     bounds = [sum(segments[: j + 1]) for j in range(len(segments) - 1)]
@@ -194,14 +214,15 @@ def shrink_split(in_dim: int, rank: int) -> int:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int = 1,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                silu: bool = False) -> torch.Tensor:
-    """``u[t] @ a[slots[t]]^T`` per row, ``u`` the prologue's rows of ``x``, as fp32 partial
+                silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``u[t] @ a[slots[t]]^T`` per row, ``u`` the prologue's rows of ``x`` (with the norm,
+    of ``x + residual``: the new residual, which the projection after it stores), as fp32 partial
     sums ``[T, splits, S*R]`` over ``K`` ranges (their sum in range order is
     ``ref.lora_shrink`` before its rounding; :func:`lora_expand` takes them); one program
     per (row, output segment, range). Rows without an adapter, and rank rows past a slot's
     rank, are left unwritten (``lora_expand`` never reads them)."""
     prologue = _prologue(norm_weight, silu)
-    in_dim = _check(x, a, prologue, norm_weight)
+    in_dim = _check(x, a, prologue, norm_weight, residual)
     t = x.shape[0]
     width = a.shape[1]
     assert width % num_segments == 0
@@ -212,9 +233,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     if t == 0:
         return out
     _shrink_kernel[(t, num_segments, splits)](
-        x, norm_weight if norm_weight is not None else x, a, out, slots, ranks, in_dim, eps,
-        x.stride(0), a.stride(0), a.stride(1), out.stride(0), out.stride(1), R=rank,
-        PROLOGUE=prologue, BLOCK_R=triton.next_power_of_2(rank), RANGE_K=range_k,
+        x, residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x, a, out, slots, ranks, in_dim, eps,
+        x.stride(0), (residual if residual is not None else x).stride(0), a.stride(0),
+        a.stride(1), out.stride(0), out.stride(1), R=rank, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, BLOCK_R=triton.next_power_of_2(rank),
+        RANGE_K=range_k,
         NORM_BLOCK=min(4096, triton.next_power_of_2(in_dim)), USE_PDL=pdl.ENABLED,
         num_warps=4, **pdl.LAUNCH,
     )
@@ -231,7 +255,7 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
     t, out_dim = y.shape
     assert b.shape[1] == out_dim and s.dim() == 3 and s.dtype == torch.float32
     assert y.stride(1) == 1 and s.stride(2) == 1 and b.stride(2) == 1
-    seg1, seg2 = _segment_bounds(segments, out_dim)
+    seg1, seg2 = segment_bounds(segments, out_dim)
     rank = b.shape[2]
     if t == 0:
         return y
@@ -248,8 +272,9 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, silu: bool = False) -> torch.Tensor:
+             eps: float = 0.0, silu: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` plus each row's adapter delta of the prologue's rows of ``x`` (``ref.lora_add``),
     in place; returns ``y``: :func:`lora_shrink` then :func:`lora_expand`."""
-    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu)
+    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu, residual)
     return lora_expand(y, s, b, slots, ranks, scales, segments)

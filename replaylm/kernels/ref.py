@@ -9,6 +9,8 @@ last bit or one ulp. This module imports only torch: it works without Triton.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -124,10 +126,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+           lora: LoRADelta | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, written into ``out`` when given. ``scale``: the per-row
     float32 scales of an FP8 ``weight`` (``quantize_fp8``), which is dequantized to ``x``'s
-    dtype first."""
+    dtype first. ``lora``: an adapter delta folded in before the one rounding
+    (:func:`lora_linear`)."""
+    if lora is not None:
+        y = lora_linear(x, weight, bias, lora, scale)
+        return y if out is None else out.copy_(y)
     if scale is not None:
         weight = dequantize(weight, scale, x.dtype)
     if out is None:
@@ -140,16 +147,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    lora: LoRADelta | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``."""
     normed, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale), residual
+    return linear(normed, weight, bias, scale=scale, lora=lora), residual
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
+                scale: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                ) -> torch.Tensor:
     """SiLU-and-mul, then a projection (down_proj)."""
-    return linear(silu_and_mul(gate_up), weight, scale=scale)
+    return linear(silu_and_mul(gate_up), weight, scale=scale, lora=lora)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -202,30 +211,30 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
 
 def lora_input(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               silu: bool = False) -> torch.Tensor:
+               silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The rows a LoRA shrink reads, from a projection's raw input ``x``: with
-    ``norm_weight`` the RMSNorm of ``x`` (the new residual of a fused residual add +
-    RMSNorm + projection), with ``silu`` SiLU(gate)·up of ``x`` = gate | up (down_proj's
-    ``gate_up``), else ``x`` itself. The same roundings as the separate ops."""
+    ``norm_weight`` the RMSNorm of ``x + residual`` (``x`` when None: the new residual of a
+    fused residual add + RMSNorm + projection), with ``silu`` SiLU(gate)·up of ``x`` = gate |
+    up (down_proj's ``gate_up``), else ``x`` itself. The same roundings as the separate ops."""
     if norm_weight is not None:
-        return rms_norm(x, norm_weight, eps)
+        return add_rms_norm(x, residual, norm_weight, eps)[0]
     return silu_and_mul(x) if silu else x
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int = 1,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                silu: bool = False) -> torch.Tensor:
+                silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The first half of a LoRA delta: row ``t`` of the result is ``u[t] @ a[slots[t]]^T``
     (``a`` ``[L, S*R, in]``: ``L`` adapter slots, ``S`` output segments of ``R`` rank rows
-    each), in ``x``'s dtype, ``u = lora_input(x, norm_weight, eps, silu)``; rows whose slot
-    is -1 or holds no adapter (rank 0) are 0.
+    each), in ``x``'s dtype, ``u = lora_input(x, norm_weight, eps, silu, residual)``; rows
+    whose slot is -1 or holds no adapter (rank 0) are 0.
 
     Graph safe: every slot's product runs on every row and each row keeps its own slot's.
     ``num_segments`` is the kernel's launch shape; rows past a slot's rank are zero in
     ``a`` (``replaylm.lora`` pads them), so the product needs no mask here.
     """
-    x = lora_input(x, norm_weight, eps, silu)
+    x = lora_input(x, norm_weight, eps, silu, residual)
     out = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     for slot in range(a.shape[0]):
         rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
@@ -255,9 +264,50 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, silu: bool = False) -> torch.Tensor:
+             eps: float = 0.0, silu: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """A whole LoRA delta added to a projection's output ``y``: ``lora_shrink`` of the raw
     input ``x`` (its prologue: ``lora_input``), rounded to ``x``'s dtype, then
     ``lora_expand``; the reference of ``kernels.lora.lora_add`` (both of its paths)."""
-    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu)
+    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu, residual)
     return lora_expand(y, s, b, slots, ranks, scales, segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRADelta:
+    """A projection's adapter delta, shrunk and waiting to be added: what ``linear``,
+    ``norm_linear`` and ``silu_linear`` (here and in ``kernels.ops``) take as ``lora``.
+
+    ``s``: the shrink of the projection's input rows, as the module that made it returns it:
+    ``lora_shrink``'s rows ``[T, S*R]`` in the model dtype, or ``kernels.lora.lora_shrink``'s
+    fp32 partial sums ``[T, splits, S*R]`` over ``K`` ranges. ``b`` ``[L, out, R]``, ``slots``
+    ``[T]``, ``ranks`` ``[L]``, ``scales`` ``[L]`` and ``segments`` as in ``lora_expand``."""
+
+    s: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    segments: tuple[int, ...]
+
+
+def lora_delta(lora: LoRADelta, dtype: torch.dtype) -> torch.Tensor:
+    """``scales[slot] * s[t, seg] @ b[slot, seg]^T`` per row in fp32 (0 on rows of slot -1
+    or of an empty slot), from the shrink rounded to ``dtype`` (partial sums are added
+    first, then rounded, as ``kernels.lora.lora_expand`` does)."""
+    s = lora.s.sum(1) if lora.s.dim() == 3 else lora.s
+    s = s.to(dtype).float()
+    zero = torch.zeros(s.shape[0], lora.b.shape[1], dtype=torch.float32, device=s.device)
+    return lora_expand(zero, s, lora.b.float(), lora.slots, lora.ranks, lora.scales,
+                       lora.segments)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                lora: LoRADelta, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A projection with its adapter delta folded in (the rule of the skinny kernel's LoRA
+    epilogue, ``kernels.skinny_lora``): ``x @ weight^T + bias`` and :func:`lora_delta`
+    added in fp32, then rounded to ``x``'s dtype once. (The separate ``lora_expand`` adds
+    the rounded delta to the already rounded projection.)"""
+    y = F.linear(x.float(), dequantize(weight, scale, torch.float32),
+                 None if bias is None else bias.float())
+    return (y + lora_delta(lora, x.dtype)).to(x.dtype)

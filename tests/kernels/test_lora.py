@@ -65,12 +65,15 @@ def _prologue_case(prologue: str, in_dim: int, g: torch.Generator):
     if prologue == "silu":
         return torch.randn(t, 2 * in_dim, generator=g), {"silu": True}
     x = torch.randn(t, in_dim, generator=g) * 3
-    if prologue == "norm":
-        return x, {"norm_weight": torch.rand(in_dim, generator=g) + 0.5, "eps": 1e-5}
+    if prologue.startswith("norm"):
+        kw = {"norm_weight": torch.rand(in_dim, generator=g) + 0.5, "eps": 1e-5}
+        if prologue == "norm_residual":  # the shrink adds the residual itself
+            kw["residual"] = torch.randn(t, in_dim, generator=g)
+        return x, kw
     return x, {}
 
 
-@pytest.mark.parametrize("prologue", ["plain", "norm", "silu"])
+@pytest.mark.parametrize("prologue", ["plain", "norm", "norm_residual", "silu"])
 @pytest.mark.parametrize("segments,in_dim,max_rank", [((24,), 40, 8), ((32, 16, 16), 48, 16),
                                                       ((20, 44), 300, 4), ((64, 16), 32, 32)])
 def test_lora_add_matches_reference_with_each_prologue(kernels, prologue, segments, in_dim,
