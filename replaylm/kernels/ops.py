@@ -11,6 +11,10 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
+* ``lora``: each projection's LoRA delta, shrunk (``ref.LoRADelta``): folded into the skinny
+  kernel's epilogue (``kernels.skinny_lora``) where the shape runs a whole-K skinny tile,
+  else added after the projection by ``lora.lora_expand``. The tile is the one the tuner
+  chose for the projection without LoRA.
 * :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_route``).
 * :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
   (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
@@ -22,9 +26,19 @@ from __future__ import annotations
 
 import torch
 
-from replaylm.kernels import fp8_linear, moe, moe_decode, moe_route, ref, skinny, tuner
+from replaylm.kernels import (
+    fp8_linear,
+    moe,
+    moe_decode,
+    moe_route,
+    ref,
+    skinny,
+    skinny_lora,
+    tuner,
+)
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
-from replaylm.kernels.ref import FP8_DTYPE, split_qkv
+from replaylm.kernels.lora import lora_expand
+from replaylm.kernels.ref import FP8_DTYPE, LoRADelta, split_qkv
 
 __all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
            "shared_combine", "silu_and_mul", "silu_linear", "split_qkv"]
@@ -73,8 +87,16 @@ def _kind(kind: str, weight: torch.Tensor) -> str:
     return f"{kind}-fp8" if weight.dtype == FP8_DTYPE else kind
 
 
+def _expand(y: torch.Tensor, lora: LoRADelta | None) -> torch.Tensor:
+    """``y`` plus ``lora``'s delta, in place (``lora.lora_expand``); ``y`` without one."""
+    if lora is None:
+        return y
+    return lora_expand(y, lora.s, lora.b, lora.slots, lora.ranks, lora.scales, lora.segments)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+           lora: LoRADelta | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
     for this shape; written into ``out`` when given. ``scale``: the per-row scales of an FP8
     ``weight``. Its few-row path is weight-only (the skinny kernel's FP8 variant against
@@ -84,9 +106,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
+    ``lora``: the adapters' delta (module docstring).
     """
     if not _few_rows(x):
-        return _unfused_linear(x, weight, bias, out, scale)
+        return _expand(_unfused_linear(x, weight, bias, out, scale), lora)
     config = tuner.choose(
         (_kind("plain", weight), x.shape[0], weight.shape[0], weight.shape[1], x.dtype,
          bias is not None),
@@ -94,9 +117,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         unfused=lambda w: ref.linear(x, w, bias, out, scale=scale),
         fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out, scale=scale),
     )
+    if lora is not None and skinny_lora.foldable(config):
+        return skinny_lora.lora_linear(x, weight, bias, lora, config, out=out, scale=scale)
     if config is not None:
-        return skinny.skinny_linear(x, weight, bias, config=config, out=out, scale=scale)
-    return ref.linear(x, weight, bias, out, scale=scale)
+        return _expand(skinny.skinny_linear(x, weight, bias, config=config, out=out,
+                                            scale=scale), lora)
+    return _expand(ref.linear(x, weight, bias, out, scale=scale), lora)
 
 
 def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -119,9 +145,11 @@ def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    lora: LoRADelta | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear``; returns ``(projection, new_residual)``. At a few
-    rows one kernel does both when the measured choice says so."""
+    rows one kernel does both when the measured choice says so. ``lora``: the adapters'
+    delta (module docstring)."""
     if _few_rows(x):
         key = (_kind("norm" if residual is not None else "norm0", weight), x.shape[0],
                weight.shape[0], weight.shape[1], x.dtype, bias is not None)
@@ -131,15 +159,22 @@ def norm_linear(
                                                    scale),
             fused=lambda cfg, w: skinny.skinny_norm_linear(x, residual, norm_weight, eps, w,
                                                            bias, config=cfg, scale=scale))
+        if lora is not None and skinny_lora.foldable(config):
+            return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                                lora, config, scale=scale)
         if config is not None:
-            return skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                             config=config, scale=scale)
-    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale)
+            y, new_res = skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                                   config=config, scale=scale)
+            return _expand(y, lora), new_res
+    y, new_res = _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale)
+    return _expand(y, lora), new_res
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
+                scale: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                ) -> torch.Tensor:
+    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster.
+    ``lora``: the adapters' delta (module docstring)."""
 
     def unfused(w: torch.Tensor = weight):
         return linear(silu_and_mul(gate_up), w, scale=scale)
@@ -150,6 +185,9 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         config = tuner.choose(
             key, weight, unfused,
             lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg, scale=scale))
+        if lora is not None and skinny_lora.foldable(config):
+            return skinny_lora.lora_silu_linear(gate_up, weight, lora, config, scale=scale)
         if config is not None:
-            return skinny.skinny_silu_linear(gate_up, weight, config=config, scale=scale)
-    return unfused()
+            return _expand(skinny.skinny_silu_linear(gate_up, weight, config=config,
+                                                     scale=scale), lora)
+    return _expand(unfused(), lora)

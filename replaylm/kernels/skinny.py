@@ -262,6 +262,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             config: tuple[int, ...] | None, residual: torch.Tensor | None = None,
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+            kernel: triton.runtime.JITFunction | None = None, extra: dict | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
@@ -269,7 +270,9 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``scale``: the float32 per-row scales ``[N]`` of an FP8 ``weight``, applied to each sum
     in the epilogue (the weights are converted to fp32 in registers as they stream).
     ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth entry
-    ``SPLIT_K`` > 1 a split-K launch (``skinny_split``)."""
+    ``SPLIT_K`` > 1 a split-K launch (``skinny_split``). ``kernel``: a variant of
+    ``_skinny_kernel`` with its arguments and more (``extra``, by keyword) to run instead,
+    whole-K tiles only (``skinny_lora``)."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -294,14 +297,15 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     chunks, splits = triton.cdiv(k, bk), 1
     if rest and rest[0] > 1:
         chunks, splits = skinny_split.split_chunks(k, bk, rest[0])
+    assert kernel is None or splits == 1, "a kernel variant runs whole-K tiles only"
     part = skinny_split.partials(splits, bm, n, x.device) if splits > 1 else y
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
     grid = (triton.cdiv(n, bn), splits)
     compile_only = _COMPILE_ONLY.get()
-    kernel = (functools.partial(_skinny_kernel.warmup, grid=grid) if compile_only
-              else _skinny_kernel[grid])
-    kernel(
+    fn = kernel or _skinny_kernel
+    launch = functools.partial(fn.warmup, grid=grid) if compile_only else fn[grid]
+    launch(
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, y, part,
         m, n, eps,
@@ -312,7 +316,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0,
         EVEN_K=k % bk == 0 and chunks * splits * bk == k,
         CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, SPLIT_K=splits, USE_PDL=pdl.ENABLED,
-        num_warps=warps, **pdl.LAUNCH,
+        num_warps=warps, **(extra or {}), **pdl.LAUNCH,
     )
     if splits > 1:
         skinny_split.reduce_splits(part, scale, bias, y, m, k, splits, bm,

@@ -32,12 +32,12 @@ _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.ro
             "replaylm.kernels.attention_kernel",
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
             "replaylm.kernels.elementwise", "replaylm.kernels.skinny_split",
-            "replaylm.kernels.skinny", "replaylm.kernels.tuner",
+            "replaylm.kernels.skinny", "replaylm.kernels.tuner", "replaylm.kernels.lora",
+            "replaylm.kernels.skinny_lora",
             "replaylm.kernels.moe_align", "replaylm.kernels.moe",
             "replaylm.kernels.moe_decode", "replaylm.kernels.moe_route",
             "replaylm.kernels.ops",
-            "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs",
-            "replaylm.kernels.lora")
+            "replaylm.kernels.argmax", "replaylm.kernels.sample", "replaylm.kernels.step_inputs")
 
 
 def _compiled_kernels(mod) -> bool:
@@ -81,6 +81,7 @@ def kernels():
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
                           moe_align=by_name["moe_align"],
                           moe_decode=by_name["moe_decode"], moe_route=by_name["moe_route"],
-                          lora=by_name["lora"], sample=by_name["sample"],
+                          lora=by_name["lora"], skinny_lora=by_name["skinny_lora"],
+                          sample=by_name["sample"],
                           backend=TritonAttentionBackend())
     undo_shim()

@@ -1,0 +1,209 @@
+"""The skinny projection with a LoRA epilogue: a projection and its adapters' delta in one
+launch at a few rows (``kernels.skinny``'s kernel, plus the second half of ``kernels.lora``).
+
+A LoRA projection at a decode step is the shrink (``lora.lora_shrink``: fp32 partial sums of
+``u @ A[slot]^T`` over ranges of ``K``, into ``[T, splits, S*R]``), then this kernel: the
+skinny projection of ``kernels.skinny`` (same prologues, tiles, PDL) whose epilogue adds,
+to each live row's fp32 sums, ``scale[slot] * s @ B[slot]^T`` over its strip of output
+columns, before the one rounding to the model dtype. ``s`` is the shrink's partial sums
+added in range order and rounded to the model dtype, as ``lora.lora_expand`` rounds it; the
+delta itself is not rounded (``lora_expand`` adds a rounded delta to the rounded
+projection). The reference is ``ref.lora_linear``.
+
+A row whose slot is -1 (a base-model row, padding) or empty (rank 0) costs its slot index
+and nothing more: the epilogue is skipped when no row of the tile is live, and a tile's
+dead rows are stored as the plain kernel computes them. Slot, rank and scale are read on
+the device, so one captured graph serves every mix of adapters.
+
+``_skinny_kernel`` itself is left as it is: the tuner's decisions, the shipped tuning tables
+and the compile plans are keyed by its source (``tuner.kernels_revision``), and with LoRA
+off nothing about it changes. This kernel repeats its main loop (whole-K tiles only: a
+split-K tile's reduction pass would need the epilogue instead) and takes the tile the tuner
+chose for the base projection. ``kernels.ops`` decides when to fold: a whole-K skinny tile
+chosen for the shape; otherwise the projection runs as without LoRA and ``lora_expand``
+follows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replaylm.kernels import skinny
+from replaylm.kernels.lora import segment_bounds
+from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.ref import LoRADelta
+from replaylm.kernels.skinny import _accumulate, _weight_chunk
+
+
+@triton.jit
+def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask,
+                offs_n, n_mask, n_lo, n_hi, seg1, seg2, stride_lpt, stride_lps, stride_lbl,
+                stride_lbn, R: tl.constexpr, NUM_SEG: tl.constexpr, SPLITS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``scale * s @ B^T`` of each row of the tile over columns ``offs_n`` (fp32
+    ``[BLOCK_M, BLOCK_N]``), and which rows are live (slot >= 0, rank > 0)."""
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
+    rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)
+    live = rank > 0
+    delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if tl.max(live.to(tl.int32), axis=0) > 0:
+        dt = y_ptr.dtype.element_ty
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        r = tl.arange(0, BLOCK_R)
+        r_ok = r[None, :] < rank[:, None]  # [BM, BR]: none on a dead row
+        b = tl.load(lb_ptr + slot[:, None, None] * stride_lbl + offs_n[None, :, None] * stride_lbn
+                    + r[None, None, :], mask=r_ok[:, None, :] & n_mask[None, :, None],
+                    other=0.0).to(tl.float32)  # [BM, BN, BR]
+        seg = (offs_n >= seg1).to(tl.int32) + (offs_n >= seg2).to(tl.int32)
+        seg_lo = (n_lo >= seg1).to(tl.int32) + (n_lo >= seg2).to(tl.int32)
+        seg_hi = (n_hi >= seg1).to(tl.int32) + (n_hi >= seg2).to(tl.int32)
+        for j in tl.static_range(NUM_SEG):
+            # Segment j's shrink (when the strip has columns of it): its ranges' partial sums
+            # in range order, rounded to the model dtype as a separate LoRA branch stores it.
+            s_ok = r_ok & (seg_lo <= j) & (j <= seg_hi)
+            s_ptrs = lp_ptr + offs_m[:, None] * stride_lpt + j * R + r[None, :]
+            sj = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for sp in tl.static_range(SPLITS):
+                sj += tl.load(s_ptrs + sp * stride_lps, mask=s_ok, other=0.0)
+            sj = sj.to(dt).to(tl.float32)
+            part = tl.sum(b * sj[:, None, :], axis=2)
+            delta += tl.where((seg == j)[None, :], part, 0.0)
+        scale = tl.load(scales_ptr + slot, mask=live, other=0.0)
+        delta = delta * scale[:, None]
+    return delta, live
+
+
+@triton.jit(do_not_specialize=["seg1", "seg2"])
+def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr,
+                        M, N, eps, stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
+                        lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, seg1, seg2,
+                        stride_lpt, stride_lps, stride_lbl, stride_lbn,
+                        K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
+                        SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, R: tl.constexpr,
+                        NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``skinny._skinny_kernel`` for whole-K tiles (``SPLIT_K`` 1, ``part_ptr`` unused) with
+    the LoRA delta (``_lora_delta``) added to its fp32 sums before the store."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    # The weight strip before the PDL wait, as in ``_skinny_kernel``.
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
+    w0 = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if WHOLE and CHUNKS > 1:
+        w1 = _weight_chunk(w_ptrs, BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 2:
+        w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 3:
+        w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    wait_for_previous(USE_PDL)
+    # The delta first: its loads (slots, B, the shrink's partials) are in flight while the
+    # strip's sums are formed.
+    n_lo = pid * BLOCK_N
+    delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
+                              m_mask, offs_n, n_mask, n_lo, tl.minimum(n_lo + BLOCK_N, N) - 1,
+                              seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, R,
+                              NUM_SEG, SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
+    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
+    store_residual = pid == 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, sq = _accumulate(acc, sq, w0, 0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
+                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+    if WHOLE:
+        if CHUNKS > 1:
+            acc, sq = _accumulate(acc, sq, w1, BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 2:
+            acc, sq = _accumulate(acc, sq, w2, 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 3:
+            acc, sq = _accumulate(acc, sq, w3, 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
+                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
+                                  HAS_RESIDUAL, EVEN_K)
+    else:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
+                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
+                                  EVEN_K)
+    out = tl.sum(acc, axis=2)
+    if PROLOGUE == 1:
+        out = out * tl.rsqrt(sq / K + eps)[:, None]
+    if HAS_SCALE:
+        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = tl.where(live[:, None], out + delta, out)  # a dead row: the plain kernel's sums
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def foldable(config: tuple[int, ...] | None) -> bool:
+    """Whether the skinny tile ``config`` (a tuner decision; None: cuBLAS or the unfused
+    ops) can carry the LoRA epilogue: a whole-K tile."""
+    return config is not None and (len(config) == 4 or config[4] <= 1)
+
+
+def _epilogue_args(lora: LoRADelta, out_dim: int) -> dict:
+    """The LoRA kernel's arguments past ``_skinny_kernel``'s, from ``lora`` (the shrink's
+    fp32 partials ``[T, splits, S*R]``, ``kernels.lora.lora_shrink``)."""
+    s, b = lora.s, lora.b
+    assert s.dim() == 3 and s.dtype == torch.float32 and s.stride(2) == 1
+    assert b.shape[1] == out_dim and b.stride(2) == 1
+    rank = b.shape[2]
+    assert s.shape[2] == len(lora.segments) * rank
+    seg1, seg2 = segment_bounds(lora.segments, out_dim)
+    return dict(lp_ptr=s, lb_ptr=b, slots_ptr=lora.slots, ranks_ptr=lora.ranks,
+                scales_ptr=lora.scales, seg1=seg1, seg2=seg2, stride_lpt=s.stride(0),
+                stride_lps=s.stride(1), stride_lbl=b.stride(0), stride_lbn=b.stride(1), R=rank,
+                NUM_SEG=len(lora.segments), SPLITS=s.shape[1],
+                BLOCK_R=triton.next_power_of_2(rank))
+
+
+def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            lora: LoRADelta, config: tuple[int, ...], **kw) -> tuple[torch.Tensor,
+                                                                    torch.Tensor | None]:
+    assert 0 < x.shape[0] <= skinny.MAX_M and foldable(config)
+    return skinny._launch(mode, x, weight, bias, config, kernel=_skinny_lora_kernel,
+                          extra=_epilogue_args(lora, weight.shape[0]), **kw)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                lora: LoRADelta, config: tuple[int, ...], out: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``skinny.skinny_linear`` with ``lora``'s delta folded in (``ref.lora_linear``)."""
+    return _launch(skinny.PROLOGUE_PLAIN, x, weight, bias, lora, config, out=out,
+                   scale=scale)[0]
+
+
+def lora_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                     lora: LoRADelta, config: tuple[int, ...],
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``skinny.skinny_norm_linear`` with ``lora``'s delta folded in; returns
+    ``(y, new_residual)``."""
+    y, new_res = _launch(skinny.PROLOGUE_NORM, x, weight, bias, lora, config,
+                         residual=residual, norm_weight=norm_weight, eps=eps, scale=scale)
+    return y, (x if new_res is None else new_res)
+
+
+def lora_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, lora: LoRADelta,
+                     config: tuple[int, ...], scale: torch.Tensor | None = None,
+                     ) -> torch.Tensor:
+    """``skinny.skinny_silu_linear`` with ``lora``'s delta folded in."""
+    return _launch(skinny.PROLOGUE_SILU, gate_up, weight, None, lora, config, scale=scale)[0]
