@@ -13,10 +13,12 @@ reallocated (graphs bake their addresses in):
   and padding. The model runner writes it before every step (``set_step``); the layers read
   its first ``T`` entries, so every graph tier reads the same tensor.
 
-Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that adds the delta of
-its group after the projection, reading the projection's raw input (the base projection keeps
-its fused RMSNorm / SiLU·mul prologue; the LoRA kernels compute their own):
-``kernels.lora.lora_add`` on CUDA, ``kernels.ref.lora_add`` elsewhere.
+Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that runs the shrink of
+its group before the projection, from the projection's raw input (the base projection keeps
+its fused RMSNorm / SiLU·mul prologue; the shrink computes its own), and returns the delta
+(``kernels.ref.LoRADelta``) that the projection op adds: ``kernels.lora.lora_shrink`` on
+CUDA, ``kernels.ref.lora_shrink`` elsewhere; the projection ops (``kernels.ops`` /
+``kernels.ref``) fold the delta into their epilogue or add it after them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from replaylm.kernels import ref
+from replaylm.kernels.ref import LoRADelta
 from replaylm.lora.peft import GROUP_NAMES, HostAdapter, groups
 from replaylm.model.config import ModelConfig
 
@@ -106,31 +109,33 @@ class LoRASlots:
         self.token_slots[:width].copy_(stage[:width], non_blocking=True)
         self._dirty = num
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor,
-              norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              silu: bool = False) -> torch.Tensor:
-        """``y`` plus each row's adapter delta for ``group`` of ``layer`` (``y``: the
-        projection's output, ``x``: its raw input rows, from which the kernels compute the
-        adapters' input: RMSNorm with ``norm_weight`` and ``eps`` of the new residual rows
-        (qkv, gate_up), SiLU·mul of ``gate_up`` with ``silu`` (down), else ``x`` itself)."""
+    def shrink(self, layer: int, group: str, x: torch.Tensor,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0, silu: bool = False) -> LoRADelta:
+        """Each row's adapter delta for ``group`` of ``layer``, shrunk, for the projection op
+        to add. ``x``: the projection's raw input rows, from which the shrink computes the
+        adapters' input: RMSNorm with ``norm_weight`` and ``eps`` of ``x + residual`` (the
+        new residual of qkv and gate_up; ``x`` alone when ``residual`` is None), SiLU·mul of
+        ``gate_up`` with ``silu`` (down), else ``x`` itself."""
         g = self.groups[group]
         tokens = self.token_slots[: x.shape[0]]
         ranks = self.ranks[self._index[group], layer]
         k = ref
         if x.is_cuda:
             from replaylm.kernels import lora as k
-        return k.lora_add(y, x, self.a[group][layer], self.b[group][layer], tokens, ranks,
-                          self.scales, g.segments, norm_weight, eps, silu)
+        s = k.lora_shrink(x, self.a[group][layer], tokens, ranks, len(g.segments), norm_weight,
+                          eps, silu, residual)
+        return LoRADelta(s, self.b[group][layer], tokens, ranks, self.scales, g.segments)
 
 
 class LayerLoRA:
-    """A decoder layer's LoRA hook: ``hook(group, x, y, ...)`` returns ``y`` with the delta
-    of every row's adapter added (``LoRASlots.apply``, same arguments)."""
+    """A decoder layer's LoRA hook: ``hook(group, x, residual, ...)`` returns the delta of
+    every row's adapter for the projection op (``LoRASlots.shrink``, same arguments)."""
 
     def __init__(self, slots: LoRASlots, layer: int) -> None:
         self.slots, self.layer = slots, layer
 
-    def __call__(self, group: str, x: torch.Tensor, y: torch.Tensor,
+    def __call__(self, group: str, x: torch.Tensor, residual: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 silu: bool = False) -> torch.Tensor:
-        return self.slots.apply(self.layer, group, x, y, norm_weight, eps, silu)
+                 silu: bool = False) -> LoRADelta:
+        return self.slots.shrink(self.layer, group, x, residual, norm_weight, eps, silu)

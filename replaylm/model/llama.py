@@ -27,10 +27,18 @@ from torch import nn
 from replaylm.attention.backend import AttentionBackend
 from replaylm.batch import AttentionMetadata
 from replaylm.kernels import ref
+from replaylm.kernels.ref import LoRADelta
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.model.quant import Linear
+
+
+def no_lora(group: str, x: torch.Tensor, residual: torch.Tensor | None = None,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            silu: bool = False) -> LoRADelta | None:
+    """The LoRA hook of a model without adapters (``DecoderLayer.lora``): no delta."""
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -66,11 +74,12 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
-        # ``replaylm.lora``'s hook: ``lora(group, x, y, ...)`` adds the adapters' delta to the
-        # output ``y`` of a projection group (qkv, o, gate_up, down) whose raw input rows are
-        # ``x``: the new residual (with the norm weight and eps), gate_up (``silu=True``) or
-        # the attention output. The projections keep their fused prologues either way.
-        self.lora = None
+        # ``replaylm.lora``'s hook: ``lora(group, x, residual, ...)`` shrinks the adapters'
+        # delta of a projection group (qkv, o, gate_up, down) from its raw input rows: ``x +
+        # residual`` normed (with the norm weight and eps), gate_up (``silu=True``) or the
+        # attention output; the projection op adds it (``lora=``) and keeps its fused
+        # prologue either way.
+        self.lora = no_lora
 
     def before(
         self,
@@ -88,11 +97,10 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         k = self.kernels or ref
         norm_weight = self.input_layernorm.weight
+        lora = self.lora("qkv", hidden, residual, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
         qkv, residual = k.norm_linear(hidden, residual, norm_weight, cfg.rms_norm_eps,
                                       self.qkv_proj.weight, self.qkv_proj.bias,
-                                      scale=self.qkv_proj.weight_scale)
-        if self.lora is not None:  # the adapters norm the new residual rows themselves
-            qkv = self.lora("qkv", residual, qkv, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
+                                      scale=self.qkv_proj.weight_scale, lora=lora)
         if defer_rope:
             return qkv, residual
         q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -113,9 +121,7 @@ class DecoderLayer(nn.Module):
         k = self.kernels or ref
         attn_rows = attn_out.flatten(1)
         hidden = k.linear(attn_rows, self.o_proj.weight, self.o_proj.bias,
-                          scale=self.o_proj.weight_scale)
-        if self.lora is not None:
-            hidden = self.lora("o", attn_rows, hidden)
+                          scale=self.o_proj.weight_scale, lora=self.lora("o", attn_rows))
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
         norm_weight, eps = self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
@@ -129,23 +135,22 @@ class DecoderLayer(nn.Module):
             gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias,
                                scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
+        lora = self.lora("gate_up", hidden, residual, norm_weight=norm_weight, eps=eps)
         gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
                                           self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          scale=self.gate_up_proj.weight_scale)
-        if self.lora is not None:
-            gate_up = self.lora("gate_up", residual, gate_up, norm_weight=norm_weight, eps=eps)
-        out = self._down(gate_up, k)
-        if self.lora is not None:  # the adapters compute SiLU·mul of gate_up themselves
-            out = self.lora("down", gate_up, out, silu=True)
+                                          scale=self.gate_up_proj.weight_scale, lora=lora)
+        # The adapters compute SiLU·mul of gate_up themselves.
+        out = self._down(gate_up, k, self.lora("down", gate_up, silu=True))
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
-    def _down(self, gate_up: torch.Tensor, k) -> torch.Tensor:
-        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)."""
+    def _down(self, gate_up: torch.Tensor, k, lora: LoRADelta | None = None) -> torch.Tensor:
+        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)
+        with the adapters' delta ``lora``."""
         down = self.down_proj
         if down.bias is None:
-            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale)
+            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale, lora=lora)
         return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,
-                        scale=down.weight_scale)
+                        scale=down.weight_scale, lora=lora)
 
 
 class CausalLM(nn.Module):
