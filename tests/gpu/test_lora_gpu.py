@@ -1,6 +1,7 @@
 """LoRA on the GPU: the Triton shrink/expand kernels and ``lora_add`` (with the RMSNorm /
-SiLU·mul prologues, at the 1B and 8B shapes) against the torch reference in bf16; a model with an adapter in a slot against the same model with the adapter merged
-into its weights (bf16 logits); and the engine's graphs replaying batches that mix adapters
+SiLU·mul prologues, at the 1B and 8B shapes) and the skinny projection with its LoRA
+epilogue against the torch references in bf16; a model with an adapter in a slot against
+the same model with the adapter merged into its weights (bf16 logits); and the engine's graphs replaying batches that mix adapters
 bit-identically to the eager runs of the same padded batches (``graph_check=1``)."""
 
 from __future__ import annotations
@@ -120,6 +121,67 @@ def test_lora_add_with_prologues_bf16(group, max_rank, rows):
     untouched = (tokens < 0) | (tokens == 2)
     assert torch.equal(got[untouched], y[untouched])
     assert not torch.equal(got[~untouched], y[~untouched])  # the adapters changed something
+
+
+# (group, rows): every prologue; one row (decode), and three rows on a live slot, slot -1
+# and an empty slot in one tile.
+FOLD_CASES = [("1b-qkv", 1), ("1b-o", 1), ("1b-down", 1), ("1b-gate_up", 3)]
+
+
+@pytest.mark.parametrize("group,rows", FOLD_CASES)
+def test_folded_projection_bf16(group, rows):
+    """The skinny projection with its LoRA epilogue (``kernels.skinny_lora``) against the
+    folded reference (``ref.lora_linear``) in bf16, on the tile ``pick_config`` gives; rows
+    without an adapter, and a step of base rows only, bit-identical to the plain skinny
+    kernel's."""
+    from replaylm.kernels import lora, skinny, skinny_lora
+
+    segments, in_dim, prologue = GROUP_SHAPES[group]
+    g = torch.Generator(device=DEV).manual_seed(rows * 7 + len(segments))
+    bf16, rank, n = torch.bfloat16, 16, sum(segments)
+    a = torch.randn(4, len(segments) * rank, in_dim, device=DEV, generator=g,
+                    dtype=bf16) * in_dim**-0.5
+    b = torch.randn(4, n, rank, device=DEV, generator=g, dtype=bf16) * 0.1
+    ranks = torch.tensor([rank, rank, 0, rank], dtype=torch.int32, device=DEV)
+    scales = torch.tensor([2.0, 0.5, 1.0, 1.0], device=DEV)
+    w = torch.randn(n, in_dim, device=DEV, generator=g, dtype=bf16) * in_dim**-0.5
+    x = torch.randn(rows, 2 * in_dim if prologue == "silu" else in_dim, device=DEV,
+                    generator=g, dtype=bf16)
+    res = torch.randn(rows, in_dim, device=DEV, generator=g, dtype=bf16)
+    nw = torch.rand(in_dim, device=DEV, generator=g).to(bf16) + 0.5
+    shrink_kw = {"silu": True} if prologue == "silu" else {}
+    if prologue == "norm":
+        shrink_kw = {"norm_weight": nw, "eps": 1e-5, "residual": res}
+    config = skinny.pick_config(rows, n, in_dim)
+
+    def project(tokens, folded: bool):
+        parts = lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+        delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+        if prologue == "norm":
+            if folded:
+                return skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config)[0]
+            return skinny.skinny_norm_linear(x, res, nw, 1e-5, w, config=config)[0]
+        if prologue == "silu":
+            return (skinny_lora.lora_silu_linear(x, w, delta, config) if folded
+                    else skinny.skinny_silu_linear(x, w, config=config))
+        return (skinny_lora.lora_linear(x, w, None, delta, config) if folded
+                else skinny.skinny_linear(x, w, config=config))
+
+    tokens = torch.tensor([3, -1, 2][:rows], dtype=torch.int32, device=DEV)
+    got, plain = project(tokens, True), project(tokens, False)
+    s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+    delta = ref.LoRADelta(s_ref, b, tokens, ranks, scales, segments)
+    if prologue == "norm":
+        want = ref.norm_linear(x, res, nw, 1e-5, w, lora=delta)[0]
+    elif prologue == "silu":
+        want = ref.silu_linear(x, w, lora=delta)
+    else:
+        want = ref.linear(x, w, lora=delta)
+    torch.testing.assert_close(got[:1], want[:1], rtol=2e-2, atol=2e-2)
+    assert not torch.equal(got[:1], plain[:1])
+    assert torch.equal(got[1:], plain[1:])
+    base = torch.full((rows,), -1, dtype=torch.int32, device=DEV)
+    assert torch.equal(project(base, True), plain)
 
 
 @torch.no_grad()
