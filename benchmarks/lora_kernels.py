@@ -2,13 +2,22 @@
 
     PYTHONPATH=. python benchmarks/lora_kernels.py --model llama3.2-1b --json lora-kernels-1b.json
 
-For each group (qkv, o, gate_up, down) and row count, the device µs of one layer's LoRA
-delta (``kernels.lora.lora_add``: the shrink over K ranges, then the expand), replayed from a
-CUDA graph that cycles through the layers' slot buffers (as a decode step reads each layer's
-adapters once), with every row on an adapter (4 slots, round robin) and with every row a
-base-model row (slot -1: the cost of launches that return at once), and the shrink's K
-ranges per row. Each group's input rows go through its prologue (RMSNorm for qkv and
+Two tables, every figure the device µs of one layer's call, replayed from a CUDA graph that
+cycles through the layers' slot buffers (as a decode step reads each layer's adapters once),
+with every row on an adapter (4 slots, round robin) or every row a base-model row (slot -1).
+Each group's input rows go through its prologue (RMSNorm of the residual add for qkv and
 gate_up, SiLU·mul for down), as in the model.
+
+- ``lora_add`` per group and row count (``--rows``): the shrink over K ranges, then the
+  expand (the path above the skinny kernel's rows), and the shrink's K ranges per row.
+- The projection with its delta per group at ``--fold-rows`` (default 1 row): the base
+  projection alone (``kernels.ops``, its tuned tile; its weights cycle through copies that
+  exceed L2, so they stream from HBM, and its bandwidth is printed against the weight
+  bytes); *separate*: shrink, that projection, then ``lora_expand`` (three launches);
+  *folded*: shrink, then the projection with its LoRA epilogue (``kernels.skinny_lora``: two
+  launches), which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
+  (``tile`` says which ran: ``folded`` or ``separate``); and *folded, base rows*: the folded
+  path on slot -1 rows.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch
 
 from replaylm.capture import graph_replay_us
 from replaylm.engine.loading import load_model_config
-from replaylm.kernels import lora
+from replaylm.kernels import lora, ops, ref, skinny_lora, tuner
 from replaylm.lora.peft import GROUP_NAMES
 from replaylm.lora.slots import LoRASlots
 
@@ -64,11 +73,97 @@ def time_group(slots: LoRASlots, group: str, rows: int, on_adapters: bool,
     return graph_replay_us(add, calls, 3)
 
 
+def _inputs(slots: LoRASlots, group: str, rows: int) -> dict:
+    """A group's raw input rows (and residual and norm weight for the norm prologue)."""
+    g = slots.groups[group]
+    dev, bf16 = slots.device, torch.bfloat16
+    width = 2 * g.in_dim if group == "down" else g.in_dim
+    kw: dict = {"x": torch.randn(rows, width, device=dev, dtype=bf16)}
+    if group in ("qkv", "gate_up"):
+        kw |= {"residual": torch.randn(rows, g.in_dim, device=dev, dtype=bf16),
+               "norm_weight": torch.ones(g.in_dim, device=dev, dtype=bf16), "eps": 1e-5}
+    return kw
+
+
+def _project(group: str, inputs: dict, weight: torch.Tensor,
+             delta: ref.LoRADelta | None) -> torch.Tensor:
+    """The group's projection as the model runs it (``kernels.ops``), with ``delta``."""
+    x = inputs["x"]
+    if group in ("qkv", "gate_up"):
+        return ops.norm_linear(x, inputs["residual"], inputs["norm_weight"], inputs["eps"],
+                               weight, lora=delta)[0]
+    if group == "down":
+        return ops.silu_linear(x, weight, lora=delta)
+    return ops.linear(x, weight, lora=delta)
+
+
+def _folds(group: str, rows: int, weight: torch.Tensor) -> bool:
+    """Whether ``kernels.ops`` folds the delta at this shape: the tuned tile (decided by
+    the first call) is a whole-K skinny tile."""
+    kind = {"qkv": "norm", "gate_up": "norm", "down": "silu"}.get(group, "plain")
+    key = (kind, rows, weight.shape[0], weight.shape[1], weight.dtype, False)
+    choice = tuner.LINEAR_CHOICES.get(key)
+    return choice is not None and skinny_lora.foldable(choice[0])
+
+
+def time_projection(slots: LoRASlots, group: str, rows: int, path: str, on_adapters: bool,
+                    calls: int) -> tuple[float, torch.Tensor]:
+    """µs of ``group``'s projection at ``rows`` rows along ``path`` (base, separate,
+    folded), and its weight."""
+    g = slots.groups[group]
+    dev = slots.device
+    inputs = _inputs(slots, group, rows)
+    shrink_kw = {k: v for k, v in inputs.items() if k != "x"} | (
+        {"silu": True} if group == "down" else {})
+    weights = tuner.weight_rotation(torch.randn(g.out_dim, g.in_dim, device=dev,
+                                                dtype=torch.bfloat16) * g.in_dim**-0.5)
+    slots.token_slots[:rows] = (torch.arange(rows, device=dev) % slots.max_loras
+                                if on_adapters else -1)
+    layers = slots.cfg.num_layers
+
+    def call(i: int) -> None:
+        w = weights[i % len(weights)]
+        if path == "base":
+            _project(group, inputs, w, None)
+            return
+        delta = slots.shrink(i % layers, group, inputs["x"], **shrink_kw)
+        if path == "folded":
+            _project(group, inputs, w, delta)
+            return
+        y = _project(group, inputs, w, None)
+        lora.lora_expand(y, delta.s, delta.b, delta.slots, delta.ranks, delta.scales,
+                         delta.segments)
+
+    return graph_replay_us(call, calls, 3), weights[0]
+
+
+def fold_table(slots: LoRASlots, rows_list: list[int], calls: int) -> list[dict]:
+    """The projection-with-delta table (module docstring)."""
+    results = []
+    print(f"{'group':>8} {'rows':>5} {'tile':>9} {'base µs':>8} {'GB/s':>6} {'separate µs':>12} "
+          f"{'folded µs':>10} {'saved µs':>9} {'folded, base rows µs':>21}")
+    for group in slots.groups:
+        for rows in rows_list:
+            base, w = time_projection(slots, group, rows, "base", True, calls)
+            separate, _ = time_projection(slots, group, rows, "separate", True, calls)
+            folded, _ = time_projection(slots, group, rows, "folded", True, calls)
+            folded_off, _ = time_projection(slots, group, rows, "folded", False, calls)
+            tile = "folded" if _folds(group, rows, w) else "separate"
+            gbs = w.numel() * w.element_size() / base / 1e3
+            results.append({"group": group, "rows": rows, "tile": tile, "base_us": base,
+                            "base_gbs": gbs, "separate_us": separate, "folded_us": folded,
+                            "folded_base_rows_us": folded_off})
+            print(f"{group:>8} {rows:>5} {tile:>9} {base:>8.2f} {gbs:>6.0f} {separate:>12.2f} "
+                  f"{folded:>10.2f} {separate - folded:>9.2f} {folded_off:>21.2f}")
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3.2-1b")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
+    p.add_argument("--fold-rows", default="1", help="row counts of the projection table")
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -86,7 +181,9 @@ def main() -> None:
             results.append({"group": group, "rows": rows, "ranges": ranges,
                             "adapters_us": on, "base_rows_us": off})
             print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
-    out = {"model": a.model, "rank": a.rank, "results": results}
+    print()
+    fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
+    out = {"model": a.model, "rank": a.rank, "results": results, "projections": fold}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 
