@@ -6,14 +6,13 @@ static buffers (``replaylm.lora``): ``A`` ``[L, S*R, in]`` (``S`` output segment
 of a fused qkv — each with ``R`` rank rows, ``R`` = ``max_lora_rank``) and ``B``
 ``[L, out, R]``.
 
-The kernels compute ``u`` themselves from what the base projection read (its *prologue*), so
-the base projection keeps its fused form (``kernels.skinny``'s RMSNorm and SiLU·mul
-prologues): ``PROLOGUE_NORM`` reads the new residual rows and applies RMSNorm with the
-layer's norm weight (qkv, gate_up); ``PROLOGUE_SILU`` reads ``gate_up`` and applies
-SiLU(gate)·up (down); ``PROLOGUE_PLAIN`` reads ``u`` as it is (o_proj). The roundings are
-those of the separate ops (``ref.lora_input``).
-
-:func:`lora_add` runs two launches, whatever the row count:
+The kernels compute ``u`` themselves from what the base projection reads (its *prologue*),
+so the base projection keeps its fused form (``kernels.skinny``'s RMSNorm and SiLU·mul
+prologues): ``PROLOGUE_NORM`` reads ``x + residual`` (the new residual, which the fused
+projection stores; the shrink runs before it) and applies RMSNorm with the layer's norm
+weight (qkv, gate_up); ``PROLOGUE_SILU`` reads ``gate_up`` and applies SiLU(gate)·up (down);
+``PROLOGUE_PLAIN`` reads ``u`` as it is (o_proj). The roundings are those of the separate
+ops (``ref.lora_input``).
 
 * :func:`lora_shrink` — program ``(t, segment, K range)`` computes the prologue of its range
   of row ``t``'s input (RMSNorm reads the whole row once for its ``1 / rms``) and that range's
@@ -23,12 +22,15 @@ those of the separate ops (``ref.lora_input``).
 * :func:`lora_expand` — program ``(t, column block)`` adds each segment's partial sums in
   range order (deterministic: no atomics), rounds the shrink to the model dtype as a separate
   LoRA branch stores it, and adds ``scale * s[t, seg(n)] @ B[l, n]^T`` to the output in place.
+  At a few rows ``kernels.ops`` instead folds this half into the skinny projection's
+  epilogue (``kernels.skinny_lora``), where the projection runs a whole-K skinny tile.
 
-A row whose slot is -1 (a base-model request, or padding) or whose slot is empty (rank 0)
-reads no weight and its output row is left as it is, to the bit. Slot, rank and scale are
-read on the device, so one captured graph serves every mix of adapters. The kernels launch
-with PDL (``kernels.pdl``) and wait for the previous kernel before anything else. The torch
-references are ``kernels.ref.lora_shrink`` / ``lora_expand`` / ``lora_add``.
+:func:`lora_add` is the two launches in turn. A row whose slot is -1 (a base-model request,
+or padding) or whose slot is empty (rank 0) reads no weight and its output row is left as it
+is, to the bit. Slot, rank and scale are read on the device, so one captured graph serves
+every mix of adapters. The kernels launch with PDL (``kernels.pdl``) and wait for the
+previous kernel before anything else. The torch references are ``kernels.ref.lora_shrink`` /
+``lora_expand`` / ``lora_add``.
 """
 
 from __future__ import annotations
