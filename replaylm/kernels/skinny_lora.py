@@ -60,16 +60,16 @@ def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
         seg_lo = (n_lo >= seg1).to(tl.int32) + (n_lo >= seg2).to(tl.int32)
         seg_hi = (n_hi >= seg1).to(tl.int32) + (n_hi >= seg2).to(tl.int32)
         for j in tl.static_range(NUM_SEG):
-            # Segment j's shrink (when the strip has columns of it): its ranges' partial sums
-            # in range order, rounded to the model dtype as a separate LoRA branch stores it.
-            s_ok = r_ok & (seg_lo <= j) & (j <= seg_hi)
-            s_ptrs = lp_ptr + offs_m[:, None] * stride_lpt + j * R + r[None, :]
-            sj = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            for sp in tl.static_range(SPLITS):
-                sj += tl.load(s_ptrs + sp * stride_lps, mask=s_ok, other=0.0)
-            sj = sj.to(dt).to(tl.float32)
-            part = tl.sum(b * sj[:, None, :], axis=2)
-            delta += tl.where((seg == j)[None, :], part, 0.0)
+            if (seg_lo <= j) & (j <= seg_hi):  # the strip has columns of segment j
+                # Its shrink: the ranges' partial sums in range order, rounded to the model
+                # dtype as a separate LoRA branch stores it.
+                s_ptrs = lp_ptr + offs_m[:, None] * stride_lpt + j * R + r[None, :]
+                sj = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    sj += tl.load(s_ptrs + sp * stride_lps, mask=r_ok, other=0.0)
+                sj = sj.to(dt).to(tl.float32)
+                part = tl.sum(b * sj[:, None, :], axis=2)
+                delta += tl.where((seg == j)[None, :], part, 0.0)
         scale = tl.load(scales_ptr + slot, mask=live, other=0.0)
         delta = delta * scale[:, None]
     return delta, live
