@@ -50,10 +50,10 @@ def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
     delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         dt = y_ptr.dtype.element_ty
-        slot = tl.maximum(slot, 0).to(tl.int64)
+        row_slot = tl.maximum(slot, 0).to(tl.int64)  # a new name: slot keeps its type
         r = tl.arange(0, BLOCK_R)
         r_ok = r[None, :] < rank[:, None]  # [BM, BR]: none on a dead row
-        b = tl.load(lb_ptr + slot[:, None, None] * stride_lbl + offs_n[None, :, None] * stride_lbn
+        b = tl.load(lb_ptr + row_slot[:, None, None] * stride_lbl + offs_n[None, :, None] * stride_lbn
                     + r[None, None, :], mask=r_ok[:, None, :] & n_mask[None, :, None],
                     other=0.0).to(tl.float32)  # [BM, BN, BR]
         seg = (offs_n >= seg1).to(tl.int32) + (offs_n >= seg2).to(tl.int32)
@@ -70,7 +70,7 @@ def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
                 sj = sj.to(dt).to(tl.float32)
                 part = tl.sum(b * sj[:, None, :], axis=2)
                 delta += tl.where((seg == j)[None, :], part, 0.0)
-        scale = tl.load(scales_ptr + slot, mask=live, other=0.0)
+        scale = tl.load(scales_ptr + row_slot, mask=live, other=0.0)
         delta = delta * scale[:, None]
     return delta, live
 
