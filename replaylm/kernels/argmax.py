@@ -92,6 +92,17 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
 
 
+def row_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What a launch over ``logits``' rows in chunks writes: the answers (int64 ``[L]``), the
+    chunks' partial maxima and indices, and the chunks per row."""
+    rows, vocab = logits.shape
+    chunks = triton.cdiv(vocab, CHUNK)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
+    return out, part_v, part_i, chunks
+
+
 def argmax(logits: torch.Tensor, dest: torch.Tensor | None = None,
            slots: torch.Tensor | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[L, V]`` rows (contiguous last dim) as int64 ``[L]``; with
@@ -103,10 +114,7 @@ def argmax(logits: torch.Tensor, dest: torch.Tensor | None = None,
     if has_dest:
         assert slots is not None and slots.shape == (rows,) and dest.dtype == torch.int64
         assert dest.is_contiguous() and slots.is_contiguous()
-    chunks = triton.cdiv(vocab, CHUNK)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
+    out, part_v, part_i, chunks = row_outputs(logits)
     _argmax_kernel[(rows, chunks)](
         logits, out, part_v, part_i, _counters(logits.device),
         dest if has_dest else out, slots if has_dest else out, vocab, logits.stride(0),

@@ -24,7 +24,15 @@ import triton.language as tl
 
 from replaylm.kernels import counter_rng as rng
 from replaylm.kernels import pdl
-from replaylm.kernels.argmax import _NO_INDEX, CHUNK, MAX_ROWS, _counters, _finish_row, _first_max
+from replaylm.kernels.argmax import (
+    _NO_INDEX,
+    CHUNK,
+    MAX_ROWS,
+    _counters,
+    _finish_row,
+    _first_max,
+    row_outputs,
+)
 from replaylm.kernels.pdl import wait_for_previous
 
 _MASK32 = tl.constexpr(rng.MASK32)
@@ -81,7 +89,6 @@ def _sample_kernel(x_ptr, out_ptr, part_v_ptr, part_i_ptr, counter_ptr, dest_ptr
         score = scaled - tl.log(-tl.log(u))
         if HAS_THRESHOLD:
             score = tl.where(scaled < tl.load(thr_ptr + row), float("-inf"), score)
-        score = tl.where(offs < vocab, score, float("-inf"))
     score = tl.where(score != score, float("inf"), score)  # NaN wins, as in torch.argmax
     best, idx = _first_max(score, offs, NO_INDEX)
     _finish_row(best, idx, row, chunk, chunks, out_ptr, part_v_ptr, part_i_ptr, counter_ptr,
@@ -104,10 +111,7 @@ def sample(logits: torch.Tensor, slots: torch.Tensor, out_pos: torch.Tensor,
         threshold = threshold.reshape(rows).float().contiguous()
     if dest is not None:
         assert dest.dtype == torch.int64 and dest.is_contiguous()
-    chunks = triton.cdiv(vocab, CHUNK)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    part_v = torch.empty(rows * chunks, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(rows * chunks, dtype=torch.int32, device=logits.device)
+    out, part_v, part_i, chunks = row_outputs(logits)
     _sample_kernel[(rows, chunks)](
         logits, out, part_v, part_i, _counters(logits.device),
         out if dest is None else dest, slots, temperature, seed_keys,
