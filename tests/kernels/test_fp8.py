@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from replaylm.kernels import ref
+from tests.kernels.moe_cases import fp8_moe_case
 
 
 def _fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,19 +92,11 @@ def test_fp8_candidates_stream_16_bytes(kernels):
 def test_moe_fp8_experts(kernels, path):
     """The routed experts with FP8 weights: the per-assignment GEMVs and the grouped
     kernels apply each expert's row scales as the reference does."""
-    g = torch.Generator().manual_seed(5)
-    t, e, k, h, i = 3, 6, 2, 32, 16
-    x = torch.randn(t, h, generator=g)
-    gate_up, gate_up_scale = ref.quantize_fp8(torch.randn(e, 2 * i, h, generator=g))
-    down, down_scale = ref.quantize_fp8(torch.randn(e, h, i, generator=g))
-    weights, ids = ref.route_topk(torch.randn(t, e, generator=g), k, True)
-    want = ref.fused_moe(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    args, want = fp8_moe_case(3, seed=5)
     if path == "gemv":
-        got = kernels.moe_decode.gemv_moe(x, gate_up, down, weights, ids, gate_up_scale,
-                                          down_scale, gate_up_config=(16, 32, 4),
+        got = kernels.moe_decode.gemv_moe(*args, gate_up_config=(16, 32, 4),
                                           down_config=(32, 16, 4))
     else:
         tile = kernels.moe.Tile(16, 16)
-        got = kernels.moe.fused_moe(x, gate_up, down, weights, ids, gate_up_scale,
-                                    down_scale, config=kernels.moe.GroupedConfig(16, tile, tile))
+        got = kernels.moe.fused_moe(*args, config=kernels.moe.GroupedConfig(16, tile, tile))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

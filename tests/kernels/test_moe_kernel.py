@@ -12,7 +12,7 @@ import torch
 
 from replaylm.graphs.stand_in import no_host_sync
 from replaylm.kernels import ref
-from tests.kernels.moe_cases import moe_case
+from tests.kernels.moe_cases import fp8_moe_case, moe_case
 
 CASES = {
     # t, e, k, h, i, per-expert logit bias
@@ -62,15 +62,8 @@ def test_grouped_moe_picks_a_config(kernels):
 def test_grouped_moe_fp8_experts(kernels, block_m):
     """FP8 experts: each expert's row scales applied as the reference does, at each
     ``BLOCK_M``."""
-    g = torch.Generator().manual_seed(block_m)
-    t, e, k, h, i = 19, 6, 2, 32, 16
-    x = torch.randn(t, h, generator=g)
-    gate_up, gate_up_scale = ref.quantize_fp8(torch.randn(e, 2 * i, h, generator=g))
-    down, down_scale = ref.quantize_fp8(torch.randn(e, h, i, generator=g))
-    weights, ids = ref.route_topk(torch.randn(t, e, generator=g), k, True)
-    want = ref.fused_moe(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
-    got = kernels.moe.fused_moe(x, gate_up, down, weights, ids, gate_up_scale, down_scale,
-                                config=_config(kernels, block_m))
+    args, want = fp8_moe_case(19, seed=block_m)
+    got = kernels.moe.fused_moe(*args, config=_config(kernels, block_m))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
