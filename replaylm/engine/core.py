@@ -285,11 +285,10 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
             out, on_launch=before_launch, agree=self.agree, on_forward=between if split else None,
             host=booked.host if booked is not None else None)
         obs.launched(dispatch.mode, dispatch.tier, out.num_batched_tokens)
-        if applied is None:
-            if booked is None:
-                self.scheduler.launched(out)
-        else:
+        if applied is not None:
             self.inflight = None  # applied while the masks filled
+        elif booked is None:
+            self.scheduler.launched(out)
         errors = (applied or []) + [self._fail(req, e)
                                     for req, e in self.runner.sampler.take_failed()]
         self.stats.record_step(StepRecord(
