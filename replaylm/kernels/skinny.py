@@ -44,8 +44,7 @@ from replaylm.kernels.pdl import wait_for_previous
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
 #: What the kernel computes on its input rows before the product (``_skinny_kernel``).
 PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
-#: K chunks up to which a program's weight strip is loaded whole before the PDL wait
-#: (``_skinny_kernel`` spells out four chunks).
+#: K chunks up to which a strip is loaded whole before the PDL wait (``_load_strip``).
 MAX_UNROLL = 4
 #: Set inside :func:`compile_only`: ``_launch`` compiles its kernel and does not run it.
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("skinny_compile_only", default=False)
@@ -56,7 +55,8 @@ def _weight_chunk(w_ptrs, k0, n_mask, cols, K: tl.constexpr, EVEN_N: tl.constexp
                   EVEN_K: tl.constexpr):
     if EVEN_N and EVEN_K:
         return tl.load(w_ptrs + k0, eviction_policy="evict_first")
-    return tl.load(w_ptrs + k0, mask=n_mask[:, None] & ((k0 + cols) < K)[None, :], other=0.0,
+    return tl.load(w_ptrs + k0, mask=n_mask[None, :, None] & ((k0 + cols) < K)[None, None, :],
+                   other=0.0,
                    eviction_policy="evict_first")
 
 
@@ -101,7 +101,89 @@ def _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols, 
         mask = m_mask[:, None] & ((k0 + cols) < K)[None, :]
     x, sq_k = _input_chunk(x_ptrs, r_ptrs, nw_ptr, out_ptrs, k0, mask, cols, store_residual,
                            K, BLOCK_M, PROLOGUE, HAS_RESIDUAL)
-    return acc + w.to(tl.float32)[None, :, :] * x[:, None, :], sq + sq_k
+    return acc + w.to(tl.float32) * x[:, None, :], sq + sq_k
+
+
+@triton.jit
+def _load_strip(w_ptr, offs_n, n_mask, cols, k_base, stride_wn, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                CHUNKS: tl.constexpr, WHOLE: tl.constexpr):
+    """Pointers to a program's weight strip (``[1, BLOCK_N, BLOCK_K]``, first chunk) and its
+    first chunks: all (up to ``MAX_UNROLL``) when ``WHOLE``, else one. Weights are never
+    written by an earlier kernel, so this runs before the PDL wait: the weight stream overlaps
+    the previous kernel, and only the input rows are read after it. A longer strip streams
+    the rest in ``_strip_sums`` (unrolling 16-56 chunks multiplies compile and tuning time).
+
+    The strip is loaded as a 3-D tensor, in the layout the products use: each thread's 16
+    bytes of a chunk stay in its registers from the load to the FMAs (a 2-D strip broadcast
+    to 3-D afterwards went through shared memory, a store and a load per weight)."""
+    w_ptrs = w_ptr + offs_n[None, :, None] * stride_wn + cols[None, None, :]
+    w0 = _weight_chunk(w_ptrs, k_base, n_mask, cols, K, EVEN_N, EVEN_K)
+    w1 = w0  # placeholders; chunks past the strip's end are never used
+    w2 = w0
+    w3 = w0
+    if WHOLE and CHUNKS > 1:
+        w1 = _weight_chunk(w_ptrs, k_base + BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 2:
+        w2 = _weight_chunk(w_ptrs, k_base + 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    if WHOLE and CHUNKS > 3:
+        w3 = _weight_chunk(w_ptrs, k_base + 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    return w_ptrs, w0, w1, w2, w3
+
+
+@triton.jit
+def _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, k_base, k_end, x_ptr, r_ptr, nw_ptr, res_out_ptr,
+                offs_m, m_mask, cols, store_residual, stride_xm, stride_rm, stride_om,
+                K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, CHUNKS: tl.constexpr,
+                WHOLE: tl.constexpr):
+    """The strip's fp32 sums ``[BLOCK_M, BLOCK_N]`` over columns ``k_base..k_end`` of the
+    input rows (after the prologue), and (RMSNorm prologue) the rows' sums of squares; the
+    chunks ``_load_strip`` loaded first, the rest streamed here."""
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
+    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, sq = _accumulate(acc, sq, w0, k_base, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
+                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+    if WHOLE:
+        if CHUNKS > 1:
+            acc, sq = _accumulate(acc, sq, w1, k_base + BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 2:
+            acc, sq = _accumulate(acc, sq, w2, k_base + 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        if CHUNKS > 3:
+            acc, sq = _accumulate(acc, sq, w3, k_base + 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
+                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
+                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
+    else:
+        for k0 in range(k_base + BLOCK_K, k_end, BLOCK_K):
+            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
+            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
+                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
+                                  EVEN_K)
+    return tl.sum(acc, axis=2), sq
+
+
+@triton.jit
+def _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K: tl.constexpr,
+              PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The whole-K sums ``out`` with the norm's 1/rms, the FP8 row scales and the bias
+    applied (fp32)."""
+    if PROLOGUE == 1:
+        # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the
+        # row scale leaves the sum, so one pass serves both the norm and the product.
+        out = out * tl.rsqrt(sq / K + eps)[:, None]
+    if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
+        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return out
 
 
 @triton.jit
@@ -126,55 +208,17 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr
     else:
         k_base = 0
         k_end = K
-    # Weights are never written by an earlier kernel, so a strip of up to MAX_UNROLL chunks
-    # (WHOLE) is loaded whole before the PDL wait: with PDL the weight stream then overlaps the
-    # previous kernel, and only the (tiny) input rows are read after it. A longer strip
-    # loads its first chunk early and streams the rest in a loop (unrolling 16-56 chunks
-    # multiplies compile and tuning time).
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
-    w0 = _weight_chunk(w_ptrs, k_base, n_mask, cols, K, EVEN_N, EVEN_K)
-    w1 = w0  # placeholders; chunks past the strip's end are never used
-    w2 = w0
-    w3 = w0
-    if WHOLE and CHUNKS > 1:
-        w1 = _weight_chunk(w_ptrs, k_base + BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
-    if WHOLE and CHUNKS > 2:
-        w2 = _weight_chunk(w_ptrs, k_base + 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
-    if WHOLE and CHUNKS > 3:
-        w3 = _weight_chunk(w_ptrs, k_base + 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    w_ptrs, w0, w1, w2, w3 = _load_strip(w_ptr, offs_n, n_mask, cols, k_base, stride_wn, K,
+                                         BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
     wait_for_previous(USE_PDL)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
-    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
     # One program per K range writes the new residual (each split owns its columns).
-    store_residual = pid == 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc, sq = _accumulate(acc, sq, w0, k_base, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
-                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-    if WHOLE:
-        if CHUNKS > 1:
-            acc, sq = _accumulate(acc, sq, w1, k_base + BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
-                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
-                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        if CHUNKS > 2:
-            acc, sq = _accumulate(acc, sq, w2, k_base + 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
-                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
-                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        if CHUNKS > 3:
-            acc, sq = _accumulate(acc, sq, w3, k_base + 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr,
-                                  out_ptrs, m_mask, cols, store_residual, K, BLOCK_M,
-                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
-    else:
-        for k0 in range(k_base + BLOCK_K, k_end, BLOCK_K):
-            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
-            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
-                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
-                                  EVEN_K)
-    out = tl.sum(acc, axis=2)  # [BM, BN]
+    out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, k_base, k_end, x_ptr, r_ptr, nw_ptr,
+                          res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm, stride_rm,
+                          stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
     if SPLIT_K > 1:
         # fp32 partial sums (and, for the norm, the range's sums of squares) for
-        # ``_split_reduce_kernel``, which finishes the epilogue below.
+        # ``skinny_split._reduce_kernel``, which finishes the epilogue.
         split = tl.program_id(1)
         tl.store(part_ptr + (split * BLOCK_M + offs_m[:, None]) * N + offs_n[None, :], out,
                  mask=n_mask[None, :])
@@ -182,14 +226,8 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr
             if pid == 0:
                 tl.store(part_ptr + SPLIT_K * BLOCK_M * N + split * BLOCK_M + offs_m, sq)
     else:
-        if PROLOGUE == 1:
-            # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the
-            # row scale leaves the sum, so one pass serves both the norm and the product.
-            out = out * tl.rsqrt(sq / K + eps)[:, None]
-        if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
-            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE,
+                        HAS_BIAS)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 

@@ -15,11 +15,9 @@ and nothing more: the epilogue is skipped when no row of the tile is live, and a
 dead rows are stored as the plain kernel computes them. Slot, rank and scale are read on
 the device, so one captured graph serves every mix of adapters.
 
-``_skinny_kernel`` itself is left as it is: the tuner's decisions, the shipped tuning tables
-and the compile plans are keyed by its source (``tuner.kernels_revision``), and with LoRA
-off nothing about it changes. This kernel repeats its main loop (whole-K tiles only: a
-split-K tile's reduction pass would need the epilogue instead) and takes the tile the tuner
-chose for the base projection. ``kernels.ops`` decides when to fold: a whole-K skinny tile
+It shares ``_skinny_kernel``'s strip loads, main loop and epilogue (``skinny._load_strip``,
+``_strip_sums``, ``_epilogue``), runs whole-K tiles only (a split-K tile's reduction pass
+would need the delta instead) and takes the tile the tuner chose for the base projection. ``kernels.ops`` decides when to fold: a whole-K skinny tile
 chosen for the shape; otherwise the projection runs as without LoRA and ``lora_expand``
 follows.
 """
@@ -34,7 +32,7 @@ from replaylm.kernels import skinny
 from replaylm.kernels.lora import segment_bounds
 from replaylm.kernels.pdl import wait_for_previous
 from replaylm.kernels.ref import LoRADelta
-from replaylm.kernels.skinny import _accumulate, _weight_chunk
+from replaylm.kernels.skinny import _epilogue, _load_strip, _strip_sums
 
 
 @triton.jit
@@ -95,17 +93,8 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
     n_mask = offs_n < N
     m_mask = offs_m < M
     # The weight strip before the PDL wait, as in ``_skinny_kernel``.
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + cols[None, :]
-    w0 = _weight_chunk(w_ptrs, 0, n_mask, cols, K, EVEN_N, EVEN_K)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if WHOLE and CHUNKS > 1:
-        w1 = _weight_chunk(w_ptrs, BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
-    if WHOLE and CHUNKS > 2:
-        w2 = _weight_chunk(w_ptrs, 2 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
-    if WHOLE and CHUNKS > 3:
-        w3 = _weight_chunk(w_ptrs, 3 * BLOCK_K, n_mask, cols, K, EVEN_N, EVEN_K)
+    w_ptrs, w0, w1, w2, w3 = _load_strip(w_ptr, offs_n, n_mask, cols, 0, stride_wn, K, BLOCK_K,
+                                         EVEN_N, EVEN_K, CHUNKS, WHOLE)
     wait_for_previous(USE_PDL)
     # The delta first: its loads (slots, B, the shrink's partials) are in flight while the
     # strip's sums are formed.
@@ -114,40 +103,11 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                               m_mask, offs_n, n_mask, n_lo, tl.minimum(n_lo + BLOCK_N, N) - 1,
                               seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, R,
                               NUM_SEG, SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + cols[None, :]
-    out_ptrs = res_out_ptr + offs_m[:, None] * stride_om + cols[None, :]
-    store_residual = pid == 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc, sq = _accumulate(acc, sq, w0, 0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask, cols,
-                          store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-    if WHOLE:
-        if CHUNKS > 1:
-            acc, sq = _accumulate(acc, sq, w1, BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
-        if CHUNKS > 2:
-            acc, sq = _accumulate(acc, sq, w2, 2 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
-        if CHUNKS > 3:
-            acc, sq = _accumulate(acc, sq, w3, 3 * BLOCK_K, x_ptrs, r_ptrs, nw_ptr, out_ptrs,
-                                  m_mask, cols, store_residual, K, BLOCK_M, PROLOGUE,
-                                  HAS_RESIDUAL, EVEN_K)
-    else:
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w = _weight_chunk(w_ptrs, k0, n_mask, cols, K, EVEN_N, EVEN_K)
-            acc, sq = _accumulate(acc, sq, w, k0, x_ptrs, r_ptrs, nw_ptr, out_ptrs, m_mask,
-                                  cols, store_residual, K, BLOCK_M, PROLOGUE, HAS_RESIDUAL,
-                                  EVEN_K)
-    out = tl.sum(acc, axis=2)
-    if PROLOGUE == 1:
-        out = out * tl.rsqrt(sq / K + eps)[:, None]
-    if HAS_SCALE:
-        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
+                          res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm, stride_rm,
+                          stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
+    out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE, HAS_BIAS)
     out = tl.where(live[:, None], out + delta, out)  # a dead row: the plain kernel's sums
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
              out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

@@ -128,6 +128,7 @@ def kernels_revision() -> str:
                                 skinny_split.SPLIT_CANDIDATES_FP8,
                                 skinny_split.REDUCE_BLOCK_N, TIE)).encode())
     for kernel in (skinny._weight_chunk, skinny._input_chunk, skinny._accumulate,
+                   skinny._load_strip, skinny._strip_sums, skinny._epilogue,
                    skinny._skinny_kernel, skinny_split._reduce_kernel,
                    elementwise._add_rmsnorm_kernel, elementwise._silu_mul_kernel):
         digest.update(inspect.getsource(kernel.fn).encode())
