@@ -81,6 +81,13 @@ def _few_rows(x: torch.Tensor) -> bool:
     return 0 < x.shape[0] <= skinny.MAX_M and x.is_cuda
 
 
+def row_block(rows: int) -> int:
+    """The tuner key's row count: ``rows`` rounded up to the kernel's row block. Every row
+    count of a block takes the same tile, so a row's sums do not depend on how many rows
+    share its step (an eager step of 5 rows and a graph tier of 8 agree bit for bit)."""
+    return 1 << (rows - 1).bit_length()
+
+
 def _kind(kind: str, weight: torch.Tensor) -> str:
     """The tuner key's kind: the prologue, marked ``-fp8`` for FP8 weights (their own
     kernels, candidates and decisions)."""
@@ -111,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _few_rows(x):
         return _expand(_unfused_linear(x, weight, bias, out, scale), lora)
     config = tuner.choose(
-        (_kind("plain", weight), x.shape[0], weight.shape[0], weight.shape[1], x.dtype,
+        (_kind("plain", weight), row_block(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype,
          bias is not None),
         weight,
         unfused=lambda w: ref.linear(x, w, bias, out, scale=scale),
@@ -151,7 +158,7 @@ def norm_linear(
     rows one kernel does both when the measured choice says so. ``lora``: the adapters'
     delta (module docstring)."""
     if _few_rows(x):
-        key = (_kind("norm" if residual is not None else "norm0", weight), x.shape[0],
+        key = (_kind("norm" if residual is not None else "norm0", weight), row_block(x.shape[0]),
                weight.shape[0], weight.shape[1], x.dtype, bias is not None)
         config = tuner.choose(
             key, weight,
@@ -180,7 +187,7 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         return linear(silu_and_mul(gate_up), w, scale=scale)
 
     if _few_rows(gate_up):
-        key = (_kind("silu", weight), gate_up.shape[0], weight.shape[0], weight.shape[1],
+        key = (_kind("silu", weight), row_block(gate_up.shape[0]), weight.shape[0], weight.shape[1],
                gate_up.dtype, False)
         config = tuner.choose(
             key, weight, unfused,

@@ -65,7 +65,7 @@ def test_tuned_fp8_linear(m, n, k):
         got = skinny.skinny_linear(x, w, config=cfg, scale=scale)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"tile {cfg}")
     chosen = ops.linear(x, w, scale=scale)
-    assert ("plain-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+    assert ("plain-fp8", ops.row_block(m), n, k, BF16, False) in tuner.LINEAR_CHOICES
     torch.testing.assert_close(chosen, want, atol=2e-2, rtol=2e-2)
     assert torch.equal(chosen, ops.linear(x, w, scale=scale))
 
@@ -90,7 +90,7 @@ def test_skinny_fp8_norm_linear(m, n, k):
     torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
     y, new_res = ops.norm_linear(x, res, nw, 1e-6, w, scale=scale)
     torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
-    assert ("norm-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+    assert ("norm-fp8", ops.row_block(m), n, k, BF16, False) in tuner.LINEAR_CHOICES
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 2048, 8192), (5, 4096, 14336)])
@@ -103,7 +103,7 @@ def test_skinny_fp8_silu_linear(m, n, k):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ops.silu_linear(gate_up, w, scale=scale), want, atol=2e-2,
                                rtol=2e-2)
-    assert ("silu-fp8", m, n, k, BF16, False) in tuner.LINEAR_CHOICES
+    assert ("silu-fp8", ops.row_block(m), n, k, BF16, False) in tuner.LINEAR_CHOICES
 
 
 def _split_tiles(m: int, k: int, dtype: torch.dtype | None) -> list[tuple[int, ...]]:
@@ -244,3 +244,20 @@ def test_fp8_engine_graphs_bit_identical_under_poisoned_padding(tmp_path, mode):
         stats = llm.graph_stats()
         assert stats["hits"] and stats["checks"] > 0, stats
     assert got == want
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rows_of_one_row_block_agree_bit_for_bit(fp8):
+    """Every row count of a row block takes the same tile (``ops.row_block``), so the
+    first 5 rows of an 8-row projection equal a 5-row projection of them bit for bit (an
+    eager step of 5 requests and a graph tier of 8 give each request the same sums)."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    w = torch.randn(1536, 2048, device=DEV, dtype=BF16, generator=g) * 0.02
+    w, scale = ref.quantize_fp8(w) if fp8 else (w, None)
+    x = torch.randn(8, 2048, device=DEV, dtype=BF16, generator=g)
+    r = torch.randn(8, 2048, device=DEV, dtype=BF16, generator=g)
+    nw = torch.rand(2048, device=DEV, dtype=BF16, generator=g) + 0.5
+    assert torch.equal(ops.linear(x[:5], w, scale=scale), ops.linear(x, w, scale=scale)[:5])
+    y5, res5 = ops.norm_linear(x[:5], r[:5], nw, 1e-5, w, scale=scale)
+    y8, res8 = ops.norm_linear(x, r, nw, 1e-5, w, scale=scale)
+    assert torch.equal(y5, y8[:5]) and torch.equal(res5, res8[:5])

@@ -256,7 +256,7 @@ def test_skinny_linear_gpu(m, n, k):
     assert torch.equal(got, skinny.skinny_linear(x, w, b))
     chosen = ops.linear(x, w, b)  # measures both once, then keeps the faster
     if m <= 8:
-        assert ("plain", m, n, k, x.dtype, True) in tuner.LINEAR_CHOICES
+        assert ("plain", ops.row_block(m), n, k, x.dtype, True) in tuner.LINEAR_CHOICES
     torch.testing.assert_close(chosen, linear_fp32(x, w, b), atol=2e-2, rtol=2e-2)
     assert torch.equal(chosen, ops.linear(x, w, b))
 
@@ -293,13 +293,13 @@ def test_fused_prologue_linear_gpu(m, n, k):
     y, new_res = ops.norm_linear(x, res, nw, 1e-6, w)
     torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
     assert torch.equal(new_res, ref_res)
-    assert ("norm", m, n, k, x.dtype, False) in tuner.LINEAR_CHOICES
+    assert ("norm", ops.row_block(m), n, k, x.dtype, False) in tuner.LINEAR_CHOICES
 
     gate_up = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16, generator=g)
     want = linear_fp32(ref.silu_and_mul(gate_up), w)
     torch.testing.assert_close(skinny.skinny_silu_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ops.silu_linear(gate_up, w), want, atol=2e-2, rtol=2e-2)
-    assert ("silu", m, n, k, x.dtype, False) in tuner.LINEAR_CHOICES
+    assert ("silu", ops.row_block(m), n, k, x.dtype, False) in tuner.LINEAR_CHOICES
 
 
 @pytest.mark.smoke
