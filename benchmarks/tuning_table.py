@@ -67,13 +67,14 @@ class MergeReport:
 
 def check_entries(entries: Any, source: str) -> dict[str, list]:
     """``entries`` if it is a tuning cache (key -> ``[config or null, µs, unfused µs]``,
-    config four ints); else ``ValueError`` naming ``source`` and the bad entry."""
+    config four ints, or five for a split-K tile); else ``ValueError`` naming ``source`` and
+    the bad entry."""
     if not isinstance(entries, dict):
         raise ValueError(f"{source}: not a tuning cache (expected a JSON object)")
     for key, value in entries.items():
         ok = (isinstance(value, list) and len(value) == 3
               and all(isinstance(v, int | float) for v in value[1:])
-              and (value[0] is None or (isinstance(value[0], list) and len(value[0]) == 4
+              and (value[0] is None or (isinstance(value[0], list) and len(value[0]) in (4, 5)
                                         and all(isinstance(c, int) for c in value[0]))))
         if not ok:
             raise ValueError(f"{source}: entry {key!r} is not [config or null, us, unfused us]: "
