@@ -18,16 +18,19 @@ tuner times them.
 (random weights as ``load_format="dummy"`` draws them, ``randn`` inputs), at 1 row (the
 skinny kernel) and 64 rows (W8A8); and the cosine similarity of a whole model's logits
 (dummy weights of the named shape, bf16 against ``quantization="fp8"``, a 32-token prompt's
-positions, the torch reference ops).
+positions, the torch reference ops), beside the same bf16 weights upcast to fp32 against
+bf16 (what bf16 itself costs); ``--layers 1,2,4`` adds the first 1, 2 and 4 layers alone, to
+show how the error grows with depth.
 
     PYTHONPATH=. python benchmarks/fp8.py gemv --shapes llama3-8b --m 1 [--json OUT]
     PYTHONPATH=. python benchmarks/fp8.py rows --shapes llama3.2-1b
-    PYTHONPATH=. python benchmarks/fp8.py numerics --shapes llama3.2-1b,llama3-8b
+    PYTHONPATH=. python benchmarks/fp8.py numerics --shapes llama3.2-1b --layers 1,2,4,8
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 
@@ -173,9 +176,33 @@ def _prefill_meta(n: int, dev: str) -> AttentionMetadata:
         kv_lens_cpu=[n])
 
 
-def numerics(ns: argparse.Namespace) -> list[dict]:
+def _logits(cfg: ModelConfig, ids: torch.Tensor, dev: str, fp8, upcast: bool,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states and logits (fp32) of a prefill of ``ids`` through dummy weights
+    of shape ``cfg`` (the same draw every call): bf16, FP8 (``fp8``), or the bf16 weights
+    upcast to fp32 (``upcast``)."""
     from replaylm.attention.torch_ref import TorchAttentionBackend
     from replaylm.model.loader import load_model
+
+    model = load_model(cfg, None, "dummy", BF16, torch.device(dev), 0, fp8=fp8)
+    dtype = torch.float32 if upcast else BF16
+    model = model.to(dtype)
+    pool = torch.zeros(cfg.num_layers, 2, 4, 16, cfg.num_kv_heads, cfg.head_dim, device=dev,
+                       dtype=dtype)
+    model.bind(TorchAttentionBackend(), [(pool[i, 0], pool[i, 1])
+                                         for i in range(cfg.num_layers)], 64)
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(len(ids), device=dev), _prefill_meta(len(ids), dev))
+        logits = model.compute_logits(hidden).float()
+        hidden = hidden.float()
+    del model, pool
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return hidden, logits
+
+
+def numerics(ns: argparse.Namespace) -> list[dict]:
     from replaylm.model.quant import Fp8Scheme
 
     dev = ns.device
@@ -193,30 +220,26 @@ def numerics(ns: argparse.Namespace) -> list[dict]:
             print(json.dumps(row), flush=True)
             rows.append(row)
             del w, q
-        cfg = config(shape)
-        ids = torch.randint(3, cfg.vocab_size, (32,), device=dev,
+        base = config(shape)
+        ids = torch.randint(3, base.vocab_size, (32,), device=dev,
                             generator=torch.Generator(device=dev).manual_seed(0))
-        logits = []
-        for fp8 in (None, Fp8Scheme()):
-            model = load_model(cfg, None, "dummy", BF16, torch.device(dev), 0, fp8=fp8)
-            pool = torch.zeros(cfg.num_layers, 2, 4, 16, cfg.num_kv_heads, cfg.head_dim,
-                               device=dev, dtype=BF16)
-            model.bind(TorchAttentionBackend(), [(pool[i, 0], pool[i, 1])
-                                                 for i in range(cfg.num_layers)], 64)
-            with torch.inference_mode():
-                hidden = model(ids, torch.arange(32, device=dev), _prefill_meta(32, dev))
-                logits.append(model.compute_logits(hidden))
-            del model, pool
-            gc.collect()
-            if dev == "cuda":
-                torch.cuda.empty_cache()
-        cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
-        row = {"shape": shape, "logits_cosine_min": round(cos.min().item(), 5),
-               "logits_cosine_mean": round(cos.mean().item(), 5),
-               "argmax_agree": round((logits[0].argmax(-1) == logits[1].argmax(-1))
-                                     .float().mean().item(), 3)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        depths = sorted({int(v) for v in ns.layers.split(",")} | {base.num_layers}
+                        ) if ns.layers else [base.num_layers]
+        for layers in (d for d in depths if d <= base.num_layers):
+            cfg = dataclasses.replace(base, num_layers=layers)
+            (h16, bf16), (h8, fp8), (_, fp32) = (
+                _logits(cfg, ids, dev, fp8, up)
+                for fp8, up in ((None, False), (Fp8Scheme(), False), (None, True)))
+            cos = torch.nn.functional.cosine_similarity(bf16, fp8, dim=-1)
+            ref_cos = torch.nn.functional.cosine_similarity(fp32, bf16, dim=-1)
+            row = {"shape": shape, "layers": layers, "hidden_rel_err": round(_rel(h8, h16), 4),
+                   "logits_cosine_min": round(cos.min().item(), 5),
+                   "logits_cosine_mean": round(cos.mean().item(), 5),
+                   "argmax_agree": round((bf16.argmax(-1) == fp8.argmax(-1))
+                                         .float().mean().item(), 3),
+                   "bf16_vs_fp32_cosine_min": round(ref_cos.min().item(), 5)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -226,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="llama3-8b")
     ap.add_argument("--m", default="1", help="gemv: row counts (comma-separated)")
     ap.add_argument("--device", default="cuda", help="numerics: where to run (cpu works)")
+    ap.add_argument("--layers", default="",
+                    help="numerics: also the logits of the first N layers alone, N in this "
+                         "comma-separated list (the model's depth is always included)")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     rows = {"gemv": gemv, "rows": many_rows, "numerics": numerics}[ns.what](ns)
