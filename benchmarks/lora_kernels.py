@@ -99,10 +99,13 @@ def _project(group: str, inputs: dict, weight: torch.Tensor,
 
 def _folds(group: str, rows: int, weight: torch.Tensor) -> bool:
     """Whether ``kernels.ops`` folds the delta at this shape: the tuned tile (decided by
-    the first call) is a whole-K skinny tile."""
+    the first call) is a whole-K skinny tile; where the separate prologue won, the plain
+    projection's tile."""
     kind = {"qkv": "norm", "gate_up": "norm", "down": "silu"}.get(group, "plain")
-    key = (kind, rows, weight.shape[0], weight.shape[1], weight.dtype, False)
-    choice = tuner.LINEAR_CHOICES.get(key)
+    shape = (ops.row_block(rows), weight.shape[0], weight.shape[1], weight.dtype, False)
+    choice = tuner.LINEAR_CHOICES.get((kind, *shape))
+    if choice is not None and choice[0] is None and kind != "plain":
+        choice = tuner.LINEAR_CHOICES.get(("plain", *shape))
     return choice is not None and skinny_lora.foldable(choice[0])
 
 

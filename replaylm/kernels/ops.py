@@ -12,9 +12,10 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
 * ``lora``: each projection's LoRA delta, shrunk (``ref.LoRADelta``): folded into the skinny
-  kernel's epilogue (``kernels.skinny_lora``) where the shape runs a whole-K skinny tile,
-  else added after the projection by ``lora.lora_expand``. The tile is the one the tuner
-  chose for the projection without LoRA.
+  kernel's epilogue (``kernels.skinny_lora``) where the projection runs a whole-K skinny
+  tile, with its prologue or, where the separate norm or SiLU·mul won, as the plain
+  projection after it; else added after the projection by ``lora.lora_expand``. The tile is
+  the one the tuner chose for the projection without LoRA.
 * :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_route``).
 * :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
   (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
@@ -143,10 +144,11 @@ def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, scale: torch.Tensor | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` then ``linear``: two launches (one above ``MAX_M`` rows)."""
+                         lora: LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` then ``linear`` (which folds ``lora``'s delta where it can): two
+    launches (one above ``MAX_M`` rows)."""
     normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale), new_res
+    return linear(normed, weight, bias, scale=scale, lora=lora), new_res
 
 
 def norm_linear(
@@ -173,8 +175,7 @@ def norm_linear(
             y, new_res = skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
                                                    config=config, scale=scale)
             return _expand(y, lora), new_res
-    y, new_res = _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale)
-    return _expand(y, lora), new_res
+    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale, lora)
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
@@ -183,8 +184,8 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster.
     ``lora``: the adapters' delta (module docstring)."""
 
-    def unfused(w: torch.Tensor = weight):
-        return linear(silu_and_mul(gate_up), w, scale=scale)
+    def unfused(w: torch.Tensor = weight, lora: LoRADelta | None = None):
+        return linear(silu_and_mul(gate_up), w, scale=scale, lora=lora)
 
     if _few_rows(gate_up):
         key = (_kind("silu", weight), row_block(gate_up.shape[0]), weight.shape[0], weight.shape[1],
@@ -197,4 +198,4 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         if config is not None:
             return _expand(skinny.skinny_silu_linear(gate_up, weight, config=config,
                                                      scale=scale), lora)
-    return _expand(unfused(), lora)
+    return unfused(lora=lora)
