@@ -17,9 +17,10 @@ the device, so one captured graph serves every mix of adapters.
 
 It shares ``_skinny_kernel``'s strip loads, main loop and epilogue (``skinny._load_strip``,
 ``_strip_sums``, ``_epilogue``), runs whole-K tiles only (a split-K tile's reduction pass
-would need the delta instead) and takes the tile the tuner chose for the base projection. ``kernels.ops`` decides when to fold: a whole-K skinny tile
-chosen for the shape; otherwise the projection runs as without LoRA and ``lora_expand``
-follows.
+would need the delta instead) and takes the tile the tuner chose for the base projection.
+``kernels.ops`` decides when to fold: where the projection (with its prologue, or plain
+after a separate norm or SiLU·mul) runs a whole-K skinny tile; otherwise the projection runs
+as without LoRA and ``lora_expand`` follows.
 """
 
 from __future__ import annotations
