@@ -68,7 +68,8 @@ def test_build_writes_one_table_per_gpu_that_the_engine_reads(tmp_path):
     a = write(tmp_path / "a.json", {key(H200, S1): [[1, 8, 512, 4], 2.9, 4.0],
                                     key(A100, S1): [None, 6.0, 6.0],
                                     key(H200, S2, rev=OLD): [None, 5, 5]})
-    b = write(tmp_path / "b.json", {key(H200, S2): [[2, 4, 256, 4], 4.9, 5.1]})
+    # A split-K decision has a fifth entry, the number of K ranges.
+    b = write(tmp_path / "b.json", {key(H200, S2): [[2, 4, 256, 4, 2], 4.9, 5.1]})
     lines = []
     reports = tuning_table.build([a, b], tables, REV, log=lines.append)
     assert sorted(reports) == ["nvidia-a100-sxm4-80gb.json", "nvidia-h200.json"]
@@ -81,7 +82,7 @@ def test_build_writes_one_table_per_gpu_that_the_engine_reads(tmp_path):
 
     shape = ("norm", 2, 4096, 1024, torch.bfloat16, False)
     table = TuningCache(REV, shipped_path(H200, tables), read_only=True)
-    assert table.lookup(shape, H200) == ((2, 4, 256, 4), 4.9, 5.1)
+    assert table.lookup(shape, H200) == ((2, 4, 256, 4, 2), 4.9, 5.1)
     assert table.lookup(shape, A100) is None
     assert TuningCache(OLD, shipped_path(H200, tables), read_only=True).lookup(shape, H200) is None
 
