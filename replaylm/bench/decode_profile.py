@@ -26,8 +26,9 @@ def profile_row(llm: Any, mode: str, batch: int, prompts: list[list[int]],
                        result.get("trace_gpu_busy_share")))
     for name, us, launches in result.get("top_kernels_us_per_token", [])[:10]:
         log(f"[profile]   {us:8.2f} us/token  {launches:6.2f}x  {name}")
-    for name, us, launches in result.get("chain_share_us_per_token", [])[:10]:
-        log(f"[profile]   adds {us:8.2f} us/token  {launches:6.2f}x  {name}")
+    for name, us, launches, gbs in result.get("chain_share_us_per_token", [])[:10]:
+        bandwidth = "" if gbs is None else f"  {gbs:7.1f} GB/s"
+        log(f"[profile]   adds {us:8.2f} us/token  {launches:6.2f}x{bandwidth}  {name}")
     tl = result.get("timeline")
     if tl:
         log(f"[profile]   one step: {tl['kernels']} {'kernels' if tl['source'] == 'device' else 'host ops'} "

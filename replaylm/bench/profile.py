@@ -184,27 +184,47 @@ def _launch_label(event: dict[str, Any]) -> str:
     return f"{name} {list(grid)}" if grid else name
 
 
-def chain_share(trace_path: str, tokens: int, n: int = 15) -> list[tuple[str, float, float]]:
+def _launch_bytes(event: dict[str, Any]) -> int | None:
+    """The bytes a traced launch moves, as its kernel recorded them (``kernels.launch_bytes``:
+    the projections); None for other launches."""
+    from replaylm.kernels import launch_bytes
+
+    grid = (event.get("args") or {}).get("grid")
+    return launch_bytes.lookup(str(event.get("name", "")), grid) if grid else None
+
+
+def chain_share(trace_path: str, tokens: int, n: int = 15,
+                ) -> list[tuple[str, float, float, float | None]]:
     """What each launch shape adds to the device's busy time: (kernel name and grid, µs and
-    launches per generated token) for the ``n`` largest.
+    launches per generated token, GB/s) for the ``n`` largest.
 
     With PDL a kernel starts while its predecessor runs and waits inside, so its trace
     duration overlaps the one before it, and ``top_kernels``' sums exceed the step time. Here
     each moment of busy time goes to the span that first extends the covered window past it:
     a span adds ``end - max(start, latest end so far)``. The additions sum to the busy time;
-    in a serial chain, a kernel's share approximates what the step would save without it."""
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _launch_label(e))
-                   for e in _device_spans(trace_path))
+    in a serial chain, a kernel's share approximates what the step would save without it.
+    GB/s: the bytes the shape's launches move (the projections record theirs) over the time
+    they add, the bandwidth the step gets from them; None for shapes without a record."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), _launch_label(e),
+                    _launch_bytes(e)) for e in _device_spans(trace_path))
     added: dict[str, float] = {}
     count: dict[str, int] = {}
+    moved: dict[str, int | None] = {}
     covered = float("-inf")
-    for start, end, name in spans:
+    for start, end, name, nbytes in spans:
         added[name] = added.get(name, 0.0) + max(0.0, end - max(start, covered))
         count[name] = count.get(name, 0) + 1
+        before = moved.get(name, 0)
+        moved[name] = None if before is None or nbytes is None else before + nbytes
         covered = max(covered, end)
     top = sorted(added, key=added.get, reverse=True)[:n]
     per = max(1, tokens)
-    return [(k, round(added[k] / per, 2), round(count[k] / per, 2)) for k in top]
+
+    def gbs(k: str) -> float | None:
+        b = moved[k]
+        return round(b / added[k] / 1e3, 1) if b and added[k] > 0 else None
+
+    return [(k, round(added[k] / per, 2), round(count[k] / per, 2), gbs(k)) for k in top]
 
 
 def kernel_busy_share(trace_path: str) -> float | None:

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replaylm.kernels import pdl, ref, skinny_split
+from replaylm.kernels import launch_bytes, pdl, ref, skinny_split
 from replaylm.kernels.pdl import wait_for_previous
 
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
@@ -304,13 +304,11 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
-    ``y`` goes (``[M, N]`` of the input's dtype, contiguous rows) instead of a fresh tensor.
-    ``scale``: the float32 per-row scales ``[N]`` of an FP8 ``weight``, applied to each sum
-    in the epilogue (the weights are converted to fp32 in registers as they stream).
-    ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth entry
-    ``SPLIT_K`` > 1 a split-K launch (``skinny_split``). ``kernel``: a variant of
-    ``_skinny_kernel`` with its arguments and more (``extra``, by keyword) to run instead,
-    whole-K tiles only (``skinny_lora``)."""
+    ``y`` goes (``[M, N]``, contiguous rows). ``scale``: the float32 row scales ``[N]`` of an
+    FP8 ``weight``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth
+    entry ``SPLIT_K`` > 1 a split-K launch (``skinny_split``). ``kernel``: a variant of
+    ``_skinny_kernel`` taking its arguments and ``extra`` ones (whole-K tiles only). Each
+    launch's bytes go to ``launch_bytes``."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -343,6 +341,8 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     compile_only = _COMPILE_ONLY.get()
     fn = kernel or _skinny_kernel
     launch = functools.partial(fn.warmup, grid=grid) if compile_only else fn[grid]
+    if not compile_only:
+        launch_bytes.record(fn.__name__, grid, launch_bytes.moved(x, weight, scale, y, new_res))
     launch(
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, y, part,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from replaylm.bench.profile import chain_share, kernel_busy_share, top_kernels
+from replaylm.kernels import launch_bytes
 
 
 def _trace(tmp_path, spans):
@@ -30,8 +33,9 @@ def test_chain_share_charges_each_kernel_what_it_adds_past_the_ones_before(tmp_p
     path = _trace(tmp_path, [("a", 0, 10), ("b", 4, 11), ("c", 6, 3), ("d", 30, 5),
                              ("b", 33, 4)])
     shares = chain_share(path, tokens=1)
-    assert shares == [("a", 10.0, 1.0), ("b", 7.0, 2.0), ("d", 5.0, 1.0), ("c", 0.0, 1.0)]
-    assert sum(us for _, us, _ in shares) == 10 + 5 + 5 + 2
+    assert shares == [("a", 10.0, 1.0, None), ("b", 7.0, 2.0, None), ("d", 5.0, 1.0, None),
+                      ("c", 0.0, 1.0, None)]
+    assert sum(us for _, us, _, _ in shares) == 10 + 5 + 5 + 2
 
 
 def test_chain_share_keeps_launch_shapes_apart(tmp_path):
@@ -39,5 +43,28 @@ def test_chain_share_keeps_launch_shapes_apart(tmp_path):
                "args": {"grid": grid}} for ts, grid in ((0, [4, 1, 1]), (10, [8, 1, 1]))]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    assert chain_share(str(path), tokens=1) == [("k [4, 1, 1]", 5.0, 1.0),
-                                                ("k [8, 1, 1]", 5.0, 1.0)]
+    assert chain_share(str(path), tokens=1) == [("k [4, 1, 1]", 5.0, 1.0, None),
+                                                ("k [8, 1, 1]", 5.0, 1.0, None)]
+
+
+def test_chain_share_gives_the_bandwidth_of_recorded_launch_shapes(tmp_path, monkeypatch):
+    """A projection's launches record their bytes (``kernels.launch_bytes``); the share
+    then carries bytes over the time they add. An unrecorded shape, or one recorded with
+    two byte counts, has none."""
+    monkeypatch.setattr(launch_bytes, "BYTES", {})
+    launch_bytes.record("proj", (4,), 8_000_000)
+    launch_bytes.record("twice", (2,), 100)
+    launch_bytes.record("twice", (2,), 200)
+    # proj twice, 4 µs each, the second partly overlapped (adds 3): 16 MB in 7 µs.
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+               "args": {"grid": grid}}
+              for name, ts, dur, grid in (("proj", 0, 4, [4, 1, 1]), ("proj", 3, 4, [4, 1, 1]),
+                                          ("twice", 10, 2, [2, 1, 1]), ("other", 20, 1, [1, 1, 1]))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    shares = chain_share(str(path), tokens=1)
+    assert shares[0] == ("proj [4, 1, 1]", 7.0, 2.0, round(16e6 / 7 / 1e3, 1))
+    assert {k: gbs for k, _, _, gbs in shares[1:]} == {"twice [2, 1, 1]": None,
+                                                        "other [1, 1, 1]": None}
+    assert launch_bytes.lookup("proj", [4, 1, 1]) == 8_000_000
+    assert launch_bytes.moved(torch.zeros(2, 3), None, torch.zeros(4, dtype=torch.int8)) == 28

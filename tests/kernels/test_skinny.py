@@ -124,3 +124,15 @@ def test_tuner_prefers_fewer_warps_on_near_ties(kernels, monkeypatch):
     assert run(t, 9.0)[0] == (1, 8, 1024, 8)  # no near tie: the fastest
     assert run(t, 1.9) == (None, 1.9, 1.9)  # the unfused path is faster by more than TIE
     assert run(t, 1.97)[0] == (1, 8, 1024, 8)  # a near tie: one launch beats two
+
+
+def test_each_launch_records_the_bytes_it_moves(kernels, monkeypatch):
+    """A skinny launch notes its bytes (weights, scales, input and output rows) under its
+    kernel name and grid, for the profiler's bandwidth per launch shape."""
+    from replaylm.kernels import launch_bytes
+
+    monkeypatch.setattr(launch_bytes, "BYTES", {})
+    x, w = torch.randn(2, 64), torch.randn(24, 64)
+    kernels.skinny.skinny_linear(x, w, config=(2, 8, 32, 4))
+    assert launch_bytes.lookup("_skinny_kernel", [3, 1, 1]) == (2 * 64 + 24 * 64 + 2 * 24) * 4
+    assert launch_bytes.lookup("_skinny_kernel", [6, 1, 1]) is None
