@@ -84,8 +84,9 @@ def _few_rows(x: torch.Tensor) -> bool:
 
 def row_block(rows: int) -> int:
     """The tuner key's row count: ``rows`` rounded up to the kernel's row block. Every row
-    count of a block takes the same tile, so a row's sums do not depend on how many rows
-    share its step (an eager step of 5 rows and a graph tier of 8 agree bit for bit)."""
+    count of a block takes the same choice, so on a skinny tile a row's sums do not depend on
+    how many rows share its step (an eager step of 5 rows and a graph tier of 8 agree bit for
+    bit; cuBLAS makes no such promise across row counts)."""
     return 1 << (rows - 1).bit_length()
 
 
