@@ -15,14 +15,19 @@ import torch
 BYTES: dict[tuple[str, tuple[int, ...]], set[int]] = {}
 
 
+def _shape(name: str, grid: tuple[int, ...] | list[int]) -> tuple[str, tuple[int, ...]]:
+    """A launch shape's key: the name and the grid padded to three dimensions."""
+    return name, tuple(grid) + (1,) * (3 - len(grid))
+
+
 def record(name: str, grid: tuple[int, ...], nbytes: int) -> None:
     """Note that a launch of ``name`` on ``grid`` moves ``nbytes``."""
-    BYTES.setdefault((name, tuple(grid) + (1,) * (3 - len(grid))), set()).add(nbytes)
+    BYTES.setdefault(_shape(name, grid), set()).add(nbytes)
 
 
 def lookup(name: str, grid: tuple[int, ...] | list[int]) -> int | None:
     """The bytes a launch of ``name`` on ``grid`` moves; None when unknown or ambiguous."""
-    seen = BYTES.get((name, tuple(grid) + (1,) * (3 - len(grid))))
+    seen = BYTES.get(_shape(name, grid))
     return next(iter(seen)) if seen is not None and len(seen) == 1 else None
 
 
