@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from replaylm.kernels import pdl
-from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.pdl import release_after_wait, wait_for_previous
 
 #: K ranges the shrink aims for per row and segment (``shrink_split``).
 SHRINK_RANGES = 32
@@ -107,7 +107,9 @@ def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_
                    R: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
+    # Its dependents are scheduled only after this wait, so the projection after it may
+    # read the rows this kernel reads before its own wait (``skinny_lora``).
+    release_after_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     split = tl.program_id(2)

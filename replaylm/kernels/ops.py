@@ -39,7 +39,7 @@ from replaylm.kernels import (
 )
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
 from replaylm.kernels.lora import lora_expand
-from replaylm.kernels.ref import FP8_DTYPE, LoRADelta, split_qkv
+from replaylm.kernels.ref import FP8_DTYPE, LoRADelta, launched_after, split_qkv
 
 __all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
            "shared_combine", "silu_and_mul", "silu_linear", "split_qkv"]
@@ -149,7 +149,7 @@ def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
     """``add_rms_norm`` then ``linear`` (which folds ``lora``'s delta where it can): two
     launches (one above ``MAX_M`` rows)."""
     normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale, lora=lora), new_res
+    return linear(normed, weight, bias, scale=scale, lora=launched_after(lora)), new_res
 
 
 def norm_linear(
@@ -186,7 +186,7 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
     ``lora``: the adapters' delta (module docstring)."""
 
     def unfused(w: torch.Tensor = weight, lora: LoRADelta | None = None):
-        return linear(silu_and_mul(gate_up), w, scale=scale, lora=lora)
+        return linear(silu_and_mul(gate_up), w, scale=scale, lora=launched_after(lora))
 
     if _few_rows(gate_up):
         key = (_kind("silu", weight), row_block(gate_up.shape[0]), weight.shape[0], weight.shape[1],

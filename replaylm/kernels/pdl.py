@@ -11,6 +11,11 @@ launched with PDL may be scheduled while its predecessor is still running; it mu
   rotary's positions, table and norm weights);
 * wait in every program, before any early exit, so a kernel completes only after its
   predecessor did: the chain of waits orders each kernel after *all* earlier ones;
+* write nothing before the wait, with one exception: the LoRA projection right after its
+  shrink (``skinny_lora``), which may read its input rows and store the new residual before
+  waiting, because the shrink lets it be scheduled only after the shrink's own wait
+  (:func:`release_after_wait`), when every kernel before the shrink has completed; it waits
+  before it reads the shrink's sums;
 * signal ``launch_dependents`` as they start, before the wait: the next kernel may then be
   scheduled as soon as every program of this one has started, so its programs can load
   their weights while this kernel still waits for the one before. Kernels stage ahead only
@@ -73,4 +78,30 @@ def wait_for_previous(USE_PDL: tl.constexpr):
     visible. A no-op when the kernel was not launched with PDL."""
     if USE_PDL:
         gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def release_after_wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel's writes are visible, then let the next kernel be
+    scheduled: once it runs, everything before this kernel has completed. The LoRA shrink
+    does this so that the projection after it may read its input rows before its own wait
+    (``skinny_lora``)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def release_next(USE_PDL: tl.constexpr):
+    """Let the next kernel be scheduled (the first half of :func:`wait_for_previous`)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_previous(USE_PDL: tl.constexpr):
+    """Block until the previous kernel's writes are visible (the second half of
+    :func:`wait_for_previous`)."""
+    if USE_PDL:
         gdc_wait()

@@ -289,6 +289,16 @@ class LoRADelta:
     ranks: torch.Tensor
     scales: torch.Tensor
     segments: tuple[int, ...]
+    #: The shrink's kernel is the last launch before the projection that takes this delta
+    #: (``kernels.skinny_lora`` may then read its input rows before its PDL wait). A path
+    #: that launches anything in between passes ``dataclasses.replace(delta, fresh=False)``.
+    fresh: bool = False
+
+
+def launched_after(lora: LoRADelta | None) -> LoRADelta | None:
+    """``lora`` for a projection that runs after another launch than its shrink's (no
+    longer ``fresh``)."""
+    return None if lora is None else dataclasses.replace(lora, fresh=False)
 
 
 def lora_delta(lora: LoRADelta, dtype: torch.dtype) -> torch.Tensor:

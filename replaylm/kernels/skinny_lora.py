@@ -31,7 +31,7 @@ import triton.language as tl
 
 from replaylm.kernels import skinny
 from replaylm.kernels.lora import segment_bounds
-from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.pdl import release_next, wait_for_previous, wait_previous
 from replaylm.kernels.ref import LoRADelta
 from replaylm.kernels.skinny import _epilogue, _load_strip, _strip_sums
 
@@ -84,7 +84,8 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                         EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
                         SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, R: tl.constexpr,
-                        NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+                        NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                        EARLY_ROWS: tl.constexpr):
     """``skinny._skinny_kernel`` for whole-K tiles (``SPLIT_K`` 1, ``part_ptr`` unused) with
     the LoRA delta (``_lora_delta``) added to its fp32 sums before the store."""
     pid = tl.program_id(0)
@@ -96,18 +97,34 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
     # The weight strip before the PDL wait, as in ``_skinny_kernel``.
     w_ptrs, w0, w1, w2, w3 = _load_strip(w_ptr, offs_n, n_mask, cols, 0, stride_wn, K, BLOCK_K,
                                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
-    wait_for_previous(USE_PDL)
-    # The delta first: its loads (slots, B, the shrink's partials) are in flight while the
-    # strip's sums are formed.
     n_lo = pid * BLOCK_N
-    delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
-                              m_mask, offs_n, n_mask, n_lo, tl.minimum(n_lo + BLOCK_N, N) - 1,
-                              seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, R,
-                              NUM_SEG, SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
-    out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
-                          res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm, stride_rm,
-                          stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
-                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
+    n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
+    if EARLY_ROWS:
+        # Right after the shrink, which let this kernel be scheduled only once everything
+        # before it had completed (``pdl.release_after_wait``): the input rows are final,
+        # so the sums run at once, beside the shrink; the wait comes before its sums are read.
+        release_next(USE_PDL)
+        out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
+                              res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm,
+                              stride_rm, stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M,
+                              BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
+        wait_previous(USE_PDL)
+        delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
+                                  offs_m, m_mask, offs_n, n_mask, n_lo, n_hi, seg1, seg2,
+                                  stride_lpt, stride_lps, stride_lbl, stride_lbn, R, NUM_SEG,
+                                  SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+    else:
+        wait_for_previous(USE_PDL)
+        # The delta first: its loads (slots, B, the shrink's partials) are in flight while
+        # the strip's sums are formed.
+        delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
+                                  offs_m, m_mask, offs_n, n_mask, n_lo, n_hi, seg1, seg2,
+                                  stride_lpt, stride_lps, stride_lbl, stride_lbn, R, NUM_SEG,
+                                  SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+        out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
+                              res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm,
+                              stride_rm, stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M,
+                              BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
     out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE, HAS_BIAS)
     out = tl.where(live[:, None], out + delta, out)  # a dead row: the plain kernel's sums
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -133,7 +150,7 @@ def _epilogue_args(lora: LoRADelta, out_dim: int) -> dict:
                 scales_ptr=lora.scales, seg1=seg1, seg2=seg2, stride_lpt=s.stride(0),
                 stride_lps=s.stride(1), stride_lbl=b.stride(0), stride_lbn=b.stride(1), R=rank,
                 NUM_SEG=len(lora.segments), SPLITS=s.shape[1],
-                BLOCK_R=triton.next_power_of_2(rank))
+                BLOCK_R=triton.next_power_of_2(rank), EARLY_ROWS=lora.fresh)
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

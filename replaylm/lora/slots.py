@@ -125,7 +125,8 @@ class LoRASlots:
             from replaylm.kernels import lora as k
         s = k.lora_shrink(x, self.a[group][layer], tokens, ranks, len(g.segments), norm_weight,
                           eps, silu, residual)
-        return LoRADelta(s, self.b[group][layer], tokens, ranks, self.scales, g.segments)
+        return LoRADelta(s, self.b[group][layer], tokens, ranks, self.scales, g.segments,
+                         fresh=x.is_cuda)
 
 
 class LayerLoRA:

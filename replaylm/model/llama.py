@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         if down.bias is None:
             return k.silu_linear(gate_up, down.weight, scale=down.weight_scale, lora=lora)
         return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,
-                        scale=down.weight_scale, lora=lora)
+                        scale=down.weight_scale, lora=ref.launched_after(lora))
 
 
 class CausalLM(nn.Module):

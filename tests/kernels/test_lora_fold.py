@@ -118,6 +118,21 @@ def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("prologue", ["plain", "norm", "silu"])
+def test_folded_projection_right_after_its_shrink(kernels, prologue):
+    """A delta whose shrink was the last launch (``fresh``) runs the variant that forms the
+    sums before its wait (``EARLY_ROWS``): the same arithmetic, so the same bits."""
+    x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
+        _case(prologue, 3, "live", seed=3)
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+    folded = _Folded(kernels.skinny_lora)
+    got = [_run(folded, prologue, x, w, bias, args,
+                ref.LoRADelta(parts, b, tokens, ranks, scales, segments, fresh=fresh), config)
+           for fresh in (False, True)]
+    assert torch.equal(got[0][0], got[1][0])
+    assert (got[0][1] is None and got[1][1] is None) or torch.equal(got[0][1], got[1][1])
+
+
 def test_padding_rows(kernels):
     """Padding rows (slot -1, NaN inputs) beside a live row: stored as the plain kernel
     stores them, and the live row is untouched by them."""

@@ -1,6 +1,7 @@
 """Where ``kernels.ops`` adds a LoRA delta at a few rows, for each tuner decision: the fused
-prologue's whole-K tile folds it into that launch; where the separate norm or SiLU·mul won,
-the plain projection after it folds it; a split-K tile adds it with ``lora_expand``.
+prologue's whole-K tile folds it into that launch, right after the shrink (``fresh``);
+where the separate norm or SiLU·mul won, the plain projection after it folds it, no longer
+fresh; a split-K tile adds it with ``lora_expand``.
 
 The CUDA-only pieces (the few-row check, the tuner, the kernels) are replaced by recorders,
 so this runs on the CPU; the kernels themselves are tested in ``tests/kernels`` and on the
@@ -25,7 +26,9 @@ def calls(monkeypatch):
 
     def record(name):
         def fn(x, *args, **kw):
-            made.append(name)
+            deltas = [a for a in (*args, *kw.values()) if isinstance(a, ref.LoRADelta)]
+            # "fresh": the delta's shrink was the last launch before this one.
+            made.append(name + (" (fresh)" if deltas and deltas[0].fresh else ""))
             return torch.zeros(x.shape[0], 8)
         return fn
 
@@ -35,24 +38,26 @@ def calls(monkeypatch):
     monkeypatch.setattr(ops, "silu_and_mul", lambda gu: gu[:, : gu.shape[1] // 2])
     monkeypatch.setattr(skinny, "skinny_linear", record("projection"))
     monkeypatch.setattr(skinny, "skinny_norm_linear",
-                        lambda x, *a, **kw: (record("norm projection")(x), x))
+                        lambda x, *a, **kw: (record("norm projection")(x, *a, **kw), x))
     monkeypatch.setattr(skinny, "skinny_silu_linear", record("silu projection"))
     monkeypatch.setattr(skinny_lora, "lora_linear", record("projection + delta"))
     monkeypatch.setattr(skinny_lora, "lora_norm_linear",
-                        lambda x, *a, **kw: (record("norm projection + delta")(x), x))
+                        lambda x, *a, **kw: (record("norm projection + delta")(x, *a, **kw),
+                                             x))
     monkeypatch.setattr(skinny_lora, "lora_silu_linear", record("silu projection + delta"))
     monkeypatch.setattr(ops, "lora_expand", lambda y, *a: made.append("expand") or y)
     return made, decisions
 
 
 def _delta() -> ref.LoRADelta:
+    """A delta as ``LoRASlots.shrink`` returns it on CUDA: its shrink was the last launch."""
     return ref.LoRADelta(s=torch.zeros(2, 1, 4), b=torch.zeros(1, 8, 4),
                          slots=torch.zeros(2, dtype=torch.long), ranks=torch.ones(1),
-                         scales=torch.ones(1), segments=(8,))
+                         scales=torch.ones(1), segments=(8,), fresh=True)
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["norm projection + delta"]),
+    (WHOLE_K, WHOLE_K, ["norm projection + delta (fresh)"]),
     (None, WHOLE_K, ["projection + delta"]),
     (None, SPLIT_K, ["projection", "expand"]),
     (SPLIT_K, WHOLE_K, ["norm projection", "expand"]),
@@ -66,7 +71,7 @@ def test_norm_linear_adds_the_delta_once_where_it_can_fold(calls, prologue, plai
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["silu projection + delta"]),
+    (WHOLE_K, WHOLE_K, ["silu projection + delta (fresh)"]),
     (None, WHOLE_K, ["projection + delta"]),
     (None, SPLIT_K, ["projection", "expand"]),
 ])
