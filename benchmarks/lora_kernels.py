@@ -18,6 +18,9 @@ gate_up, SiLU·mul for down), as in the model.
   launches), which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
   (``tile`` says which ran: ``folded`` or ``separate``); and *folded, base rows*: the folded
   path on slot -1 rows.
+
+``--shrink-ranges 32,8,4`` runs both tables at each value of ``kernels.lora.SHRINK_RANGES``
+(the shrink's K ranges per row and segment: the partial sums each consumer adds).
 """
 
 from __future__ import annotations
@@ -168,25 +171,32 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--fold-rows", default="1", help="row counts of the projection table")
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
+    p.add_argument("--shrink-ranges", default=str(lora.SHRINK_RANGES),
+                   help="values of kernels.lora.SHRINK_RANGES to run both tables at")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("lora_kernels.py needs a CUDA GPU")
     cfg, _ = load_model_config(a.model)
     slots = filled_slots(cfg, a.rank, 4, torch.device("cuda"))
-    results = []
-    print(f"{'group':>8} {'ranges':>6} {'rows':>5} {'adapters µs':>12} {'base rows µs':>13}")
-    for group, g in slots.groups.items():
-        ranges = -(-g.in_dim // lora.shrink_split(g.in_dim, slots.max_rank))
-        for rows in map(int, a.rows.split(",")):
-            on = time_group(slots, group, rows, True, a.calls)
-            off = time_group(slots, group, rows, False, a.calls)
-            results.append({"group": group, "rows": rows, "ranges": ranges,
-                            "adapters_us": on, "base_rows_us": off})
-            print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
-    print()
-    fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
-    out = {"model": a.model, "rank": a.rank, "results": results, "projections": fold}
+    runs = []
+    for shrink_ranges in map(int, a.shrink_ranges.split(",")):
+        lora.SHRINK_RANGES = shrink_ranges
+        print(f"SHRINK_RANGES {shrink_ranges}")
+        results = []
+        print(f"{'group':>8} {'ranges':>6} {'rows':>5} {'adapters µs':>12} {'base rows µs':>13}")
+        for group, g in slots.groups.items():
+            ranges = -(-g.in_dim // lora.shrink_split(g.in_dim, slots.max_rank))
+            for rows in map(int, a.rows.split(",")):
+                on = time_group(slots, group, rows, True, a.calls)
+                off = time_group(slots, group, rows, False, a.calls)
+                results.append({"group": group, "rows": rows, "ranges": ranges,
+                                "adapters_us": on, "base_rows_us": off})
+                print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
+        print()
+        fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
+        runs.append({"shrink_ranges": shrink_ranges, "results": results, "projections": fold})
+    out = {"model": a.model, "rank": a.rank, "runs": runs}
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

@@ -107,33 +107,34 @@ def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_
                    R: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    # Its dependents are scheduled only after this wait, so the projection after it may
-    # read the rows this kernel reads before its own wait (``skinny_lora``).
-    release_after_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the wait: the row's slot (copied in before the step's first kernel) and the
+    # slot's rank and A tile (written between steps only), so that after it only the input
+    # rows are read. A dead row (slot -1 or rank 0) loads nothing.
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
-        if rank > 0:
-            rows = row + tl.zeros([1], dtype=tl.int64)  # this program's row, as a block
-            row_ok = rows >= 0
-            inv_rms = tl.full([1], 1.0, tl.float32)
-            if PROLOGUE == 1:
-                inv_rms = _inv_rms(x_ptr, r_ptr, rows, row_ok, in_dim, stride_x, stride_r,
-                                   eps, 1, NORM_BLOCK, HAS_RESIDUAL)
-            r = tl.arange(0, BLOCK_R)
-            r_ok = r < rank
-            k = split * RANGE_K + tl.arange(0, RANGE_K)
-            xv = _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim,
-                              stride_x, stride_r, PROLOGUE,
-                              HAS_RESIDUAL).to(tl.float32)  # [1, RANGE_K]
-            av = tl.load(a_ptr + slot * stride_al + (seg * R + r)[:, None] * stride_ar
-                         + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :],
-                         other=0.0).to(tl.float32)
-            tl.store(p_ptr + row * stride_pt + split * stride_ps + seg * R + r,
-                     tl.sum(av * xv, axis=1), mask=r_ok)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
+    k = split * RANGE_K + tl.arange(0, RANGE_K)
+    av = tl.load(a_ptr + tl.maximum(slot, 0) * stride_al + (seg * R + r)[:, None] * stride_ar
+                 + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :], other=0.0)
+    # Its dependents are scheduled only after this wait, so the projection after it may
+    # read the rows this kernel reads before its own wait (``skinny_lora``).
+    release_after_wait(USE_PDL)
+    if rank > 0:
+        rows = row + tl.zeros([1], dtype=tl.int64)  # this program's row, as a block
+        row_ok = rows >= 0
+        inv_rms = tl.full([1], 1.0, tl.float32)
+        if PROLOGUE == 1:
+            inv_rms = _inv_rms(x_ptr, r_ptr, rows, row_ok, in_dim, stride_x, stride_r,
+                               eps, 1, NORM_BLOCK, HAS_RESIDUAL)
+        xv = _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim,
+                          stride_x, stride_r, PROLOGUE,
+                          HAS_RESIDUAL).to(tl.float32)  # [1, RANGE_K]
+        tl.store(p_ptr + row * stride_pt + split * stride_ps + seg * R + r,
+                 tl.sum(av.to(tl.float32) * xv, axis=1), mask=r_ok)
 
 
 @triton.jit(do_not_specialize=["out_dim", "seg1", "seg2", "splits"])
@@ -141,36 +142,38 @@ def _expand_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, out_di
                    splits, stride_y, stride_pt, stride_ps, stride_bl, stride_bn,
                    R: tl.constexpr, NUM_SEG: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < out_dim
+    # Before the wait, as in the shrink: slot, rank, scale and the B rows of the block.
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
-        if rank > 0:
-            dt = y_ptr.dtype.element_ty
-            n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < out_dim
-            seg = (n >= seg1).to(tl.int32) + (n >= seg2).to(tl.int32)  # output segment of n
-            r = tl.arange(0, BLOCK_R)
-            r_ok = r < rank
-            delta = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(NUM_SEG):
-                cols = n_ok & (seg == j)
-                if tl.sum(cols.to(tl.int32)) > 0:
-                    # Segment j's shrink: its ranges' partial sums in range order, rounded to
-                    # the model dtype as a separate LoRA branch stores it.
-                    sj = tl.zeros([BLOCK_R], dtype=tl.float32)
-                    for sp in range(splits):
-                        sj += tl.load(p_ptr + row * stride_pt + sp * stride_ps + j * R + r,
-                                      mask=r_ok, other=0.0)
-                    sj = sj.to(dt).to(tl.float32)
-                    bv = tl.load(b_ptr + slot * stride_bl + n[:, None] * stride_bn + r[None, :],
-                                 mask=cols[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-                    delta += tl.sum(bv * sj[None, :], axis=1)
-            # The delta is rounded to y's dtype before the add, as a separate LoRA branch is.
-            delta = (delta.to(dt).to(tl.float32) * tl.load(scales_ptr + slot)).to(dt)
-            y = tl.load(y_ptr + row * stride_y + n, mask=n_ok)
-            tl.store(y_ptr + row * stride_y + n, y + delta, mask=n_ok)
+    live_slot = tl.maximum(slot, 0)
+    rank = tl.load(ranks_ptr + live_slot, mask=slot >= 0, other=0)
+    scale = tl.load(scales_ptr + live_slot, mask=slot >= 0, other=0.0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
+    bv = tl.load(b_ptr + live_slot * stride_bl + n[:, None] * stride_bn + r[None, :],
+                 mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    wait_for_previous(USE_PDL)
+    if rank > 0:
+        dt = y_ptr.dtype.element_ty
+        seg = (n >= seg1).to(tl.int32) + (n >= seg2).to(tl.int32)  # output segment of n
+        delta = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(NUM_SEG):
+            cols = n_ok & (seg == j)
+            if tl.sum(cols.to(tl.int32)) > 0:
+                # Segment j's shrink: its ranges' partial sums in range order, rounded to
+                # the model dtype as a separate LoRA branch stores it.
+                sj = tl.zeros([BLOCK_R], dtype=tl.float32)
+                for sp in range(splits):
+                    sj += tl.load(p_ptr + row * stride_pt + sp * stride_ps + j * R + r,
+                                  mask=r_ok, other=0.0)
+                sj = sj.to(dt).to(tl.float32)
+                delta += tl.where(cols, tl.sum(bv * sj[None, :], axis=1), 0.0)
+        # The delta is rounded to y's dtype before the add, as a separate LoRA branch is.
+        delta = (delta.to(dt).to(tl.float32) * scale).to(dt)
+        y = tl.load(y_ptr + row * stride_y + n, mask=n_ok)
+        tl.store(y_ptr + row * stride_y + n, y + delta, mask=n_ok)
 
 
 def _in_dim(x: torch.Tensor, prologue: int) -> int:

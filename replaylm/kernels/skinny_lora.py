@@ -37,24 +37,39 @@ from replaylm.kernels.skinny import _epilogue, _load_strip, _strip_sums
 
 
 @triton.jit
-def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask,
-                offs_n, n_mask, n_lo, n_hi, seg1, seg2, stride_lpt, stride_lps, stride_lbl,
-                stride_lbn, R: tl.constexpr, NUM_SEG: tl.constexpr, SPLITS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """``scale * s @ B^T`` of each row of the tile over columns ``offs_n`` (fp32
-    ``[BLOCK_M, BLOCK_N]``), and which rows are live (slot >= 0, rank > 0)."""
+def _lora_weights(lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask, offs_n, n_mask,
+                  stride_lbl, stride_lbn, BLOCK_R: tl.constexpr):
+    """What the delta reads that no kernel of the step writes, so it is read before the PDL
+    wait: each row's slot (copied in before the step's first kernel), the slot's rank and
+    scale and the strip's ``B`` rows (written between steps only). Returns ``(b, rank,
+    scale)``: ``b`` ``[BLOCK_M, BLOCK_N, BLOCK_R]`` in ``B``'s dtype, 0 past a row's rank;
+    a dead row (slot -1 or rank 0) has rank 0 and reads no ``B``."""
     slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
-    rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)
+    row_slot = tl.maximum(slot, 0).to(tl.int64)
+    rank = tl.load(ranks_ptr + row_slot, mask=slot >= 0, other=0)
+    scale = tl.load(scales_ptr + row_slot, mask=slot >= 0, other=0.0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r[None, :] < rank[:, None]  # [BM, BR]: none on a dead row
+    b = tl.load(lb_ptr + row_slot[:, None, None] * stride_lbl + offs_n[None, :, None] * stride_lbn
+                + r[None, None, :], mask=r_ok[:, None, :] & n_mask[None, :, None], other=0.0)
+    return b, rank, scale
+
+
+@triton.jit
+def _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo, n_hi, seg1, seg2,
+                stride_lpt, stride_lps, R: tl.constexpr, NUM_SEG: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+    """``scale * s @ B^T`` of each row of the tile over columns ``offs_n`` (fp32
+    ``[BLOCK_M, BLOCK_N]``), from ``_lora_weights``'s ``b``, ``rank`` and ``scale`` and the
+    shrink's partial sums (read here, after the wait); and which rows are live."""
     live = rank > 0
     delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if tl.max(live.to(tl.int32), axis=0) > 0:
         dt = y_ptr.dtype.element_ty
-        row_slot = tl.maximum(slot, 0).to(tl.int64)  # a new name: slot keeps its type
         r = tl.arange(0, BLOCK_R)
-        r_ok = r[None, :] < rank[:, None]  # [BM, BR]: none on a dead row
-        b = tl.load(lb_ptr + row_slot[:, None, None] * stride_lbl + offs_n[None, :, None] * stride_lbn
-                    + r[None, None, :], mask=r_ok[:, None, :] & n_mask[None, :, None],
-                    other=0.0).to(tl.float32)  # [BM, BN, BR]
+        r_ok = r[None, :] < rank[:, None]
+        bf = b.to(tl.float32)
         seg = (offs_n >= seg1).to(tl.int32) + (offs_n >= seg2).to(tl.int32)
         seg_lo = (n_lo >= seg1).to(tl.int32) + (n_lo >= seg2).to(tl.int32)
         seg_hi = (n_hi >= seg1).to(tl.int32) + (n_hi >= seg2).to(tl.int32)
@@ -67,9 +82,8 @@ def _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m,
                 for sp in tl.static_range(SPLITS):
                     sj += tl.load(s_ptrs + sp * stride_lps, mask=r_ok, other=0.0)
                 sj = sj.to(dt).to(tl.float32)
-                part = tl.sum(b * sj[:, None, :], axis=2)
+                part = tl.sum(bf * sj[:, None, :], axis=2)
                 delta += tl.where((seg == j)[None, :], part, 0.0)
-        scale = tl.load(scales_ptr + row_slot, mask=live, other=0.0)
         delta = delta * scale[:, None]
     return delta, live
 
@@ -94,9 +108,11 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
     cols = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    # The weight strip before the PDL wait, as in ``_skinny_kernel``.
+    # The weight strip and the LoRA weights before the PDL wait, as in ``_skinny_kernel``.
     w_ptrs, w0, w1, w2, w3 = _load_strip(w_ptr, offs_n, n_mask, cols, 0, stride_wn, K, BLOCK_K,
                                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
+    b, rank, scale = _lora_weights(lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask,
+                                   offs_n, n_mask, stride_lbl, stride_lbn, BLOCK_R)
     n_lo = pid * BLOCK_N
     n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
     if EARLY_ROWS:
@@ -109,17 +125,15 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                               stride_rm, stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M,
                               BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
         wait_previous(USE_PDL)
-        delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
-                                  offs_m, m_mask, offs_n, n_mask, n_lo, n_hi, seg1, seg2,
-                                  stride_lpt, stride_lps, stride_lbl, stride_lbn, R, NUM_SEG,
+        delta, live = _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo,
+                                  n_hi, seg1, seg2, stride_lpt, stride_lps, R, NUM_SEG,
                                   SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
     else:
         wait_for_previous(USE_PDL)
-        # The delta first: its loads (slots, B, the shrink's partials) are in flight while
-        # the strip's sums are formed.
-        delta, live = _lora_delta(y_ptr, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
-                                  offs_m, m_mask, offs_n, n_mask, n_lo, n_hi, seg1, seg2,
-                                  stride_lpt, stride_lps, stride_lbl, stride_lbn, R, NUM_SEG,
+        # The delta first: its loads (the shrink's partials) are in flight while the
+        # strip's sums are formed.
+        delta, live = _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo,
+                                  n_hi, seg1, seg2, stride_lpt, stride_lps, R, NUM_SEG,
                                   SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
         out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
                               res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm,
