@@ -8,7 +8,7 @@ launched with PDL may be scheduled while its predecessor is still running; it mu
 
 * do only dependency-free work before the wait: address math, and reads of what no kernel
   of the step writes (the projection kernel's weight strip, attention's request lookup,
-  rotary's positions, table and norm weights);
+  rotary's positions, table and norm weights, the LoRA kernels' slots and adapter weights);
 * wait in every program, before any early exit, so a kernel completes only after its
   predecessor did: the chain of waits orders each kernel after *all* earlier ones;
 * write nothing before the wait, with one exception: the LoRA projection right after its
