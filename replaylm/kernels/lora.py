@@ -17,8 +17,8 @@ ops (``ref.lora_input``).
 * :func:`lora_shrink` — program ``(t, segment, K range)`` computes the prologue of its range
   of row ``t``'s input (RMSNorm reads the whole row once for its ``1 / rms``) and that range's
   share of ``u[t] @ A[l, seg]^T`` for every rank row of the slot, into fp32 partial sums
-  ``[T, splits, S*R]``. A decode step has one row, so the shrink's parallelism comes from
-  ``K``: about 32 ranges per row and segment (``shrink_split``);
+  ``[T, splits, S*R]``: a few wide ranges per row and segment (``shrink_split``), since each
+  program loads its ``A`` tile before its PDL wait and every consumer adds all the ranges;
 * :func:`lora_expand` — program ``(t, column block)`` adds each segment's partial sums in
   range order (deterministic: no atomics), rounds the shrink to the model dtype as a separate
   LoRA branch stores it, and adds ``scale * s[t, seg(n)] @ B[l, n]^T`` to the output in place.
@@ -42,8 +42,11 @@ import triton.language as tl
 from replaylm.kernels import pdl
 from replaylm.kernels.pdl import release_after_wait, wait_for_previous
 
-#: K ranges the shrink aims for per row and segment (``shrink_split``).
-SHRINK_RANGES = 32
+#: K ranges the shrink aims for per row and segment (``shrink_split``). The expand and the
+#: folded projection add every range's partial sums, in registers, so fewer ranges cost them
+#: less; on the H200 4 beat 8 and 32 for every group of the Llama 3.2 1B shape at one row
+#: (``benchmarks/lora_kernels.py --shrink-ranges 32,8,4``).
+SHRINK_RANGES = 4
 #: Most ``A`` elements one shrink program holds (rank rows x range width).
 SHRINK_TILE = 8192
 #: What a kernel computes from its raw input before the shrink (``ref.lora_input``).

@@ -110,10 +110,11 @@ def test_lora_add_matches_reference_with_each_prologue(kernels, prologue, segmen
     assert torch.equal(got[~adapted], y[~adapted])
 
 
-def test_many_ranges_and_padding_rows(kernels):
+def test_many_ranges_and_padding_rows(kernels, monkeypatch):
     """A wide input (16 K ranges) at 1, 5 and 40 rows with a norm prologue; padding rows
     (slot -1, NaN inputs) stay as they are, to the bit."""
     lora = kernels.lora
+    monkeypatch.setattr(lora, "SHRINK_RANGES", 16)
     _, _, a, b, _, ranks, scales = _slots_case((16, 8), 1024, 8, 3)
     g = torch.Generator().manual_seed(3)
     assert -(-1024 // lora.shrink_split(1024, 8)) == 16
