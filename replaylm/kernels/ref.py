@@ -248,12 +248,16 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
     """The second half of a LoRA delta: ``y[t] + scales[slot] * s[t, seg] @ b[slot, seg]^T``
     per output segment (``segments``: the widths of the projection's output pieces, e.g.
     q, k, v; ``s`` holds ``R`` columns per segment, ``b`` is ``[L, out, R]``), ``slot =
-    slots[t]``; rows whose slot is -1 or holds no adapter come back unchanged."""
+    slots[t]``; rows whose slot is -1 or holds no adapter come back unchanged. Only a
+    slot's first ``ranks[slot]`` columns of each segment of ``s`` are read, as the kernels
+    read them: ``kernels.lora.lora_shrink`` leaves the rest unwritten (any bits, NaN too)."""
     rank = b.shape[-1]
     for slot in range(b.shape[0]):
+        in_rank = torch.arange(rank, device=s.device) < ranks[slot]
         parts, start = [], 0
         for j, width in enumerate(segments):
-            parts.append(linear(s[:, j * rank:(j + 1) * rank], b[slot, start:start + width]))
+            sj = torch.where(in_rank, s[:, j * rank:(j + 1) * rank], 0.0)
+            parts.append(linear(sj, b[slot, start:start + width]))
             start += width
         delta = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
         rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
