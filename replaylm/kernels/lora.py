@@ -117,11 +117,12 @@ def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_
     # slot's rank and A tile (written between steps only), so that after it only the input
     # rows are read. A dead row (slot -1 or rank 0) loads nothing.
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    live_slot = tl.maximum(slot, 0)
+    rank = tl.load(ranks_ptr + live_slot, mask=slot >= 0, other=0)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     k = split * RANGE_K + tl.arange(0, RANGE_K)
-    av = tl.load(a_ptr + tl.maximum(slot, 0) * stride_al + (seg * R + r)[:, None] * stride_ar
+    av = tl.load(a_ptr + live_slot * stride_al + (seg * R + r)[:, None] * stride_ar
                  + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :], other=0.0)
     # Its dependents are scheduled only after this wait, so the projection after it may
     # read the rows this kernel reads before its own wait (``skinny_lora``).
