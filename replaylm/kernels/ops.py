@@ -105,7 +105,7 @@ def _expand(y: torch.Tensor, lora: LoRADelta | None) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-           lora: LoRADelta | None = None) -> torch.Tensor:
+           lora: LoRADelta | None = None, silu_out: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
     for this shape; written into ``out`` when given. ``scale``: the per-row scales of an FP8
     ``weight``. Its few-row path is weight-only (the skinny kernel's FP8 variant against
@@ -115,10 +115,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
-    ``lora``: the adapters' delta (module docstring).
+    ``lora``: the adapters' delta (module docstring). ``silu_out``: ``weight`` is
+    ``[gate | up]`` and the result is ``silu_and_mul`` of the projection: in a whole-K skinny
+    tile's epilogue (``skinny.skinny_linear(silu_pairs=True)``), else a launch after it.
     """
+    assert not (silu_out and (lora is not None or out is not None))
     if not _few_rows(x):
-        return _expand(_unfused_linear(x, weight, bias, out, scale), lora)
+        return _silu(_expand(_unfused_linear(x, weight, bias, out, scale), lora), silu_out)
     config = tuner.choose(
         (_kind("plain", weight), row_block(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype,
          bias is not None),
@@ -128,10 +131,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
     if lora is not None and skinny_lora.foldable(config):
         return skinny_lora.lora_linear(x, weight, bias, lora, config, out=out, scale=scale)
+    if silu_out and skinny_lora.foldable(config):  # a whole-K tile: the epilogue pairs rows
+        return skinny.skinny_linear(x, weight, bias, config=config, scale=scale,
+                                    silu_pairs=True)
     if config is not None:
-        return _expand(skinny.skinny_linear(x, weight, bias, config=config, out=out,
-                                            scale=scale), lora)
-    return _expand(ref.linear(x, weight, bias, out, scale=scale), lora)
+        return _silu(_expand(skinny.skinny_linear(x, weight, bias, config=config, out=out,
+                                                  scale=scale), lora), silu_out)
+    return _silu(_expand(ref.linear(x, weight, bias, out, scale=scale), lora), silu_out)
+
+
+def _silu(y: torch.Tensor, silu_out: bool) -> torch.Tensor:
+    return silu_and_mul(y) if silu_out else y
 
 
 def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -145,21 +155,23 @@ def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, scale: torch.Tensor | None = None,
-                         lora: LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         lora: LoRADelta | None = None, silu_out: bool = False,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear`` (which folds ``lora``'s delta where it can): two
     launches (one above ``MAX_M`` rows)."""
     normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale, lora=launched_after(lora)), new_res
+    return linear(normed, weight, bias, scale=scale, lora=launched_after(lora),
+                  silu_out=silu_out), new_res
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-    lora: LoRADelta | None = None,
+    lora: LoRADelta | None = None, silu_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear``; returns ``(projection, new_residual)``. At a few
     rows one kernel does both when the measured choice says so. ``lora``: the adapters'
-    delta (module docstring)."""
+    delta (module docstring). ``silu_out``: as for :func:`linear`."""
     if _few_rows(x):
         key = (_kind("norm" if residual is not None else "norm0", weight), row_block(x.shape[0]),
                weight.shape[0], weight.shape[1], x.dtype, bias is not None)
@@ -173,10 +185,12 @@ def norm_linear(
             return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
                                                 lora, config, scale=scale)
         if config is not None:
+            pairs = silu_out and skinny_lora.foldable(config)  # whole-K: the epilogue pairs
             y, new_res = skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                                   config=config, scale=scale)
-            return _expand(y, lora), new_res
-    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale, lora)
+                                                   config=config, scale=scale, silu_pairs=pairs)
+            return _silu(_expand(y, lora), silu_out and not pairs), new_res
+    return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale, lora,
+                                silu_out)
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,

@@ -147,11 +147,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-    lora: LoRADelta | None = None,
+    lora: LoRADelta | None = None, silu_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``."""
+    """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``.
+    ``silu_out``: ``weight`` is ``[gate | up]``, and the projection is ``silu_and_mul`` of it."""
     normed, residual = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale, lora=lora), residual
+    y = linear(normed, weight, bias, scale=scale, lora=lora)
+    return (silu_and_mul(y) if silu_out else y), residual
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,

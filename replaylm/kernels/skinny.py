@@ -1,20 +1,17 @@
 """Skinny matmul for decode: ``y = x @ W^T (+ b)`` with few rows in ``x`` (batch-1 decode).
 
 At one to a few tokens a projection is a pure weight stream: every weight byte is read once
-and used ``M`` times. cuBLAS picks tile shapes made for larger ``M`` and, on the small square
-projections of 0.6B-1B models, reaches under half of the H200's bandwidth. This kernel gives
-each program a strip of ``BLOCK_N`` weight rows and the whole ``K``: it streams the strip in
-``BLOCK_K`` chunks, multiplies each chunk by all ``M`` rows of ``x`` and reduces in fp32.
-Split-K tiles (``kernels.skinny_split``) instead give each program one strip over one range
-of ``K`` and add the ranges' fp32 partials in a second launch, in a fixed order. There are no
-atomics either way, so the result is bit-for-bit repeatable (graph replays and their eager
-re-runs agree exactly).
+and used ``M`` times. This kernel gives each program a strip of ``BLOCK_N`` weight rows and
+the whole ``K``: it streams the strip in ``BLOCK_K`` chunks, multiplies each chunk by all
+``M`` rows of ``x`` and reduces in fp32. Split-K tiles (``kernels.skinny_split``) give each
+program one range of ``K`` and add the ranges' fp32 partials in a second launch, in a fixed
+order. No atomics, so graph replays and their eager re-runs agree to the bit.
 
-The kernel can also compute its input rows itself, which removes a launch (and its gap in
-the graph) per projection: ``skinny_norm_linear`` folds the residual add + RMSNorm in front
-of a projection (each program sums the squares of the few input rows as it streams them and
-scales its outputs by 1/rms at the end; program 0 stores the new residual),
-``skinny_silu_linear`` folds SiLU(gate)·up in front of down_proj.
+Launches saved: ``skinny_norm_linear`` folds the residual add + RMSNorm in front of a
+projection (each program sums the squares of its input rows as it streams them and scales
+its sums by 1/rms; program 0 stores the new residual), ``skinny_silu_linear`` folds
+SiLU(gate)·up in front of down_proj, and ``silu_pairs`` puts it behind gate_up instead: each
+program takes gate rows and the up rows that pair with them and stores ``silu(g) * u``.
 
 FP8 weights (``float8_e4m3fn`` with one float32 scale per output row, ``ref.quantize_fp8``)
 run through the same kernel: the one-byte weights stream in chunks twice as long in ``K``
@@ -40,6 +37,7 @@ import triton.language as tl
 
 from replaylm.kernels import launch_bytes, pdl, ref, skinny_split
 from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.skinny_epilogue import _epilogue, _store_silu_pairs
 
 MAX_M = 8  # above this, cuBLAS' tensor-core tiles win
 #: What the kernel computes on its input rows before the product (``_skinny_kernel``).
@@ -171,34 +169,25 @@ def _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, k_base, k_end, x_ptr, r_ptr, nw_
 
 
 @triton.jit
-def _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K: tl.constexpr,
-              PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The whole-K sums ``out`` with the norm's 1/rms, the FP8 row scales and the bias
-    applied (fp32)."""
-    if PROLOGUE == 1:
-        # sum_k w[n,k] * (s[k] * rstd) * g[k] == rstd * sum_k w[n,k] * s[k] * g[k]: the
-        # row scale leaves the sum, so one pass serves both the norm and the product.
-        out = out * tl.rsqrt(sq / K + eps)[:, None]
-    if HAS_SCALE:  # FP8 weights: each row's scale leaves the sum the same way
-        out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    return out
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, M, N,
                    eps, stride_xm, stride_rm, stride_om, stride_wn, stride_ym,
                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                    EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
-                   SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                   SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, SILU_PAIRS: tl.constexpr):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_PAIRS:
+        # [gate | up] weights (N = 2I): gate rows pid*H.. and the up rows I + pid*H.. pair
+        # up in one strip, H = BLOCK_N / 2.
+        pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        offs_n = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, pair, pair + N // 2)
+        n_mask = pair < N // 2
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
     m_mask = offs_m < M
     # Split-K: program (pid, s) takes the CHUNKS chunks from column s * CHUNKS * BLOCK_K on
     # (chunks past K are masked off); otherwise one program streams the whole K.
@@ -228,8 +217,12 @@ def _skinny_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr
     else:
         out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE,
                         HAS_BIAS)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                 out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        if SILU_PAIRS:
+            _store_silu_pairs(out, y_ptr, offs_m, m_mask, pid, N // 2, stride_ym, BLOCK_M,
+                              BLOCK_N)
+        else:
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                     out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 #: Tile candidates (BLOCK_N, BLOCK_K, num_warps) per row-block size; ``linear`` times each.
@@ -301,14 +294,15 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
             kernel: triton.runtime.JITFunction | None = None, extra: dict | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            silu_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
     ``y`` goes (``[M, N]``, contiguous rows). ``scale``: the float32 row scales ``[N]`` of an
     FP8 ``weight``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth
     entry ``SPLIT_K`` > 1 a split-K launch (``skinny_split``). ``kernel``: a variant of
-    ``_skinny_kernel`` taking its arguments and ``extra`` ones (whole-K tiles only). Each
-    launch's bytes go to ``launch_bytes``."""
+    ``_skinny_kernel`` taking its arguments and ``extra`` ones (whole-K tiles only).
+    ``silu_pairs``: ``weight`` is ``[gate | up]`` and ``y`` is ``silu(gate) * up``, ``[M, N/2]``
+    (whole-K tiles only). Each launch's bytes go to ``launch_bytes``."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -317,10 +311,11 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                              and scale.stride(0) == 1), "scale must be float32 [N]"
     if x.stride(1) != 1:
         x = x.contiguous()
+    n_out = n // 2 if silu_pairs else n
     if out is None:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     else:
-        assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+        assert out.shape == (m, n_out) and out.dtype == x.dtype and out.stride(1) == 1
         y = out
     new_res = None
     if residual is not None:
@@ -333,11 +328,12 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     chunks, splits = triton.cdiv(k, bk), 1
     if rest and rest[0] > 1:
         chunks, splits = skinny_split.split_chunks(k, bk, rest[0])
-    assert kernel is None or splits == 1, "a kernel variant runs whole-K tiles only"
+    assert (kernel is None and not silu_pairs) or splits == 1, "whole-K tiles only"
+    assert not silu_pairs or (n % 2 == 0 and bn >= 2 and kernel is None)
     part = skinny_split.partials(splits, bm, n, x.device) if splits > 1 else y
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
-    grid = (triton.cdiv(n, bn), splits)
+    grid = (triton.cdiv(n_out, bn // 2) if silu_pairs else triton.cdiv(n, bn), splits)
     compile_only = _COMPILE_ONLY.get()
     fn = kernel or _skinny_kernel
     launch = functools.partial(fn.warmup, grid=grid) if compile_only else fn[grid]
@@ -351,10 +347,11 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_N=n_out % (bn // 2) == 0 if silu_pairs else n % bn == 0,
         EVEN_K=k % bk == 0 and chunks * splits * bk == k,
         CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, SPLIT_K=splits, USE_PDL=pdl.ENABLED,
-        num_warps=warps, **(extra or {}), **pdl.LAUNCH,
+        SILU_PAIRS=silu_pairs, num_warps=warps, **(extra or {}), **pdl.LAUNCH,
     )
     if splits > 1:
         skinny_split.reduce_splits(part, scale, bias, y, m, k, splits, bm,
@@ -365,29 +362,32 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: tuple[int, ...] | None = None,
                   out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                  ) -> torch.Tensor:
+                  silu_pairs: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[M, K]``; the Triton kernel when ``M <= MAX_M``.
     ``out``: the ``[M, N]`` tensor to write it to (returned). ``scale``: the per-row scales
-    of an FP8 ``weight`` (``ref.quantize_fp8``)."""
+    of an FP8 ``weight``. ``silu_pairs``: ``silu_and_mul`` of it, in the same launch."""
     if x.shape[0] > MAX_M or x.shape[0] == 0:
-        return ref.linear(x, weight, bias, out, scale=scale)
-    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out, scale=scale)[0]
+        y = ref.linear(x, weight, bias, None if silu_pairs else out, scale=scale)
+        return ref.silu_and_mul(y) if silu_pairs else y
+    return _launch(PROLOGUE_PLAIN, x, weight, bias, config, out=out, scale=scale,
+                   silu_pairs=silu_pairs)[0]
 
 
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                        config: tuple[int, ...] | None = None,
-                       scale: torch.Tensor | None = None,
+                       scale: torch.Tensor | None = None, silu_pairs: bool = False,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual`` (``x`` when None), then
     ``rmsnorm(new_residual) * norm_weight @ weight.T + bias``, in one kernel (``M <= MAX_M``);
     returns ``(y, new_residual)``. Each program reads the (tiny) input rows whole anyway, so
     it accumulates their sum of squares in the same pass and scales its sums by ``1/rms`` at
     the end (the normalised input is not rounded to the model dtype first, unlike the
-    separate ops: results agree within that rounding). Program 0 writes the new residual."""
+    separate ops: results agree within that rounding). Program 0 writes the new residual.
+    ``silu_pairs``: as for ``skinny_linear``."""
     assert 0 < x.shape[0] <= MAX_M
     y, new_res = _launch(PROLOGUE_NORM, x, weight, bias, config, residual, norm_weight, eps,
-                         scale=scale)
+                         scale=scale, silu_pairs=silu_pairs)
     return y, (x if new_res is None else new_res)
 
 

@@ -33,7 +33,8 @@ from replaylm.kernels import skinny
 from replaylm.kernels.lora import segment_bounds
 from replaylm.kernels.pdl import release_next, wait_for_previous, wait_previous
 from replaylm.kernels.ref import LoRADelta
-from replaylm.kernels.skinny import _epilogue, _load_strip, _strip_sums
+from replaylm.kernels.skinny import _load_strip, _strip_sums
+from replaylm.kernels.skinny_epilogue import _epilogue
 
 
 @triton.jit
@@ -97,7 +98,8 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                         EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
-                        SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, R: tl.constexpr,
+                        SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+                        SILU_PAIRS: tl.constexpr, R: tl.constexpr,
                         NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
                         EARLY_ROWS: tl.constexpr):
     """``skinny._skinny_kernel`` for whole-K tiles (``SPLIT_K`` 1, ``part_ptr`` unused) with

@@ -37,7 +37,7 @@ import torch
 import triton
 
 from replaylm.capture import graph_replay_us
-from replaylm.kernels import elementwise, fp8_linear, ref, skinny, skinny_split
+from replaylm.kernels import elementwise, fp8_linear, ref, skinny, skinny_epilogue, skinny_split
 from replaylm.kernels.tuning_cache import Decision, TuningCache, shipped_path
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def kernels_revision() -> str:
                                 skinny_split.SPLIT_CANDIDATES_FP8,
                                 skinny_split.REDUCE_BLOCK_N, TIE)).encode())
     for kernel in (skinny._weight_chunk, skinny._input_chunk, skinny._accumulate,
-                   skinny._load_strip, skinny._strip_sums, skinny._epilogue,
+                   skinny._load_strip, skinny._strip_sums, skinny_epilogue._epilogue,
+                   skinny_epilogue._store_silu_pairs,
                    skinny._skinny_kernel, skinny_split._reduce_kernel,
                    elementwise._add_rmsnorm_kernel, elementwise._silu_mul_kernel):
         digest.update(inspect.getsource(kernel.fn).encode())

@@ -136,6 +136,15 @@ class DecoderLayer(nn.Module):
                                scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
         lora = self.lora("gate_up", hidden, residual, norm_weight=norm_weight, eps=eps)
+        if lora is None:
+            # Without adapters SiLU·mul runs in gate_up's epilogue where the kernels can (its
+            # rows are not needed otherwise), and down_proj is a plain projection.
+            act, residual = k.norm_linear(hidden, residual, norm_weight, eps,
+                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                          scale=self.gate_up_proj.weight_scale, silu_out=True)
+            down = self.down_proj
+            out = k.linear(act, down.weight, down.bias, scale=down.weight_scale)
+            return (out if self.tp is None else self.tp.all_reduce(out)), residual
         gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
                                           self.gate_up_proj.weight, self.gate_up_proj.bias,
                                           scale=self.gate_up_proj.weight_scale, lora=lora)

@@ -136,3 +136,54 @@ def test_each_launch_records_the_bytes_it_moves(kernels, monkeypatch):
     kernels.skinny.skinny_linear(x, w, config=(2, 8, 32, 4))
     assert launch_bytes.lookup("_skinny_kernel", [3, 1, 1]) == (2 * 64 + 24 * 64 + 2 * 24) * 4
     assert launch_bytes.lookup("_skinny_kernel", [6, 1, 1]) is None
+
+
+@pytest.mark.parametrize("prologue", ["plain", "norm"])
+@pytest.mark.parametrize("rows,inter,tile", [(1, 24, (2, 32, 4)), (3, 20, (8, 32, 4)),
+                                             (2, 36, (16, 64, 4))])
+def test_silu_pairs_epilogue_is_silu_and_mul_of_the_projection(kernels, prologue, rows, inter,
+                                                               tile):
+    """``silu_pairs``: each program takes gate rows and the up rows paired with them and
+    stores ``silu(g) * u`` ([M, I]), bit for bit what ``silu_and_mul`` makes of the stored
+    projection (I not a multiple of the half strip: the last strip is partly masked)."""
+    skinny = kernels.skinny
+    g = torch.Generator().manual_seed(rows * 10 + inter)
+    k = 64
+    x, w = torch.randn(rows, k, generator=g), torch.randn(2 * inter, k, generator=g) * 0.3
+    b = torch.randn(2 * inter, generator=g)
+    config = (max(1, 1 << (rows - 1).bit_length()), *tile)
+    if prologue == "norm":
+        res, nw = torch.randn(rows, k, generator=g), torch.rand(k, generator=g) + 0.5
+        y, want_res = skinny.skinny_norm_linear(x, res, nw, 1e-5, w, b, config=config)
+        got, got_res = skinny.skinny_norm_linear(x, res, nw, 1e-5, w, b, config=config,
+                                                 silu_pairs=True)
+        assert torch.equal(got_res, want_res)
+    else:
+        y = skinny.skinny_linear(x, w, b, config=config)
+        got = skinny.skinny_linear(x, w, b, config=config, silu_pairs=True)
+    want = kernels.elementwise.silu_and_mul(y)
+    assert got.shape == (rows, inter)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("decision", ["whole", "split", "unfused"])
+def test_ops_silu_out_pairs_in_whole_k_tiles_and_runs_silu_and_mul_otherwise(
+        kernels, monkeypatch, decision):
+    """``ops.norm_linear(silu_out=True)``: the paired epilogue on a whole-K tile, else
+    ``silu_and_mul`` after the projection; the same result either way."""
+    ops = kernels.ops
+    g = torch.Generator().manual_seed(4)
+    x, res = torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g)
+    nw, w = torch.rand(64, generator=g) + 0.5, torch.randn(40, 64, generator=g) * 0.3
+    config = {"whole": (2, 8, 32, 4), "split": (2, 8, 32, 4, 2), "unfused": None}[decision]
+    monkeypatch.setattr(ops, "_few_rows", lambda t: 0 < t.shape[0] <= kernels.skinny.MAX_M)
+    monkeypatch.setattr(kernels.tuner, "choose", lambda key, weight, unfused, fused: config)
+    paired = []
+    real = kernels.skinny._launch
+    monkeypatch.setattr(kernels.skinny, "_launch",
+                        lambda *a, **kw: paired.append(kw.get("silu_pairs")) or real(*a, **kw))
+    got, new_res = ops.norm_linear(x, res, nw, 1e-5, w, silu_out=True)
+    y, want_res = ref.norm_linear(x, res, nw, 1e-5, w)
+    torch.testing.assert_close(got, ref.silu_and_mul(y), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new_res, want_res, rtol=0, atol=0)
+    assert (True in paired) == (decision == "whole")
