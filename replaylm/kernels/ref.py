@@ -116,6 +116,19 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+#: Smallest per-token activation scale (``quantize_rows``): a row of zeros quantizes to
+#: zeros instead of dividing by 0.
+MIN_ROW_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization for W8A8: ``x`` ``[M, K]`` as ``float8_e4m3fn`` with
+    one float32 scale per row (``[M, 1]``, ``max(amax / 448, MIN_ROW_SCALE)``)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_ROW_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
                ) -> torch.Tensor:
     """``weight`` in ``dtype``: an FP8 weight times its per-row ``scale`` (computed in fp32,

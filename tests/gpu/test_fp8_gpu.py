@@ -261,3 +261,14 @@ def test_rows_of_one_row_block_agree_bit_for_bit(fp8):
     y5, res5 = ops.norm_linear(x[:5], r[:5], nw, 1e-5, w, scale=scale)
     y8, res8 = ops.norm_linear(x, r, nw, 1e-5, w, scale=scale)
     assert torch.equal(y5, y8[:5]) and torch.equal(res5, res8[:5])
+
+
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 14336), (300, 2048)])
+def test_quantize_rows_matches_reference(m, k):
+    """W8A8's per-token quantization kernel: the torch reference's bits and scales."""
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, k, device=DEV, dtype=BF16, generator=g) * 3
+    q, scale = fp8_linear.quantize_rows(x)
+    want_q, want_scale = ref.quantize_rows(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

@@ -31,7 +31,8 @@ if "triton" not in sys.modules and (os.environ.get(CHILD_FLAG) or not torch.cuda
 _MODULES = ("replaylm.kernels.pdl", "replaylm.kernels.dot", "replaylm.kernels.rope",
             "replaylm.kernels.attention_kernel",
             "replaylm.kernels.attention", "replaylm.kernels.kv_write",
-            "replaylm.kernels.elementwise", "replaylm.kernels.skinny_split",
+            "replaylm.kernels.elementwise", "replaylm.kernels.fp8_linear",
+            "replaylm.kernels.skinny_split",
             "replaylm.kernels.skinny", "replaylm.kernels.tuner", "replaylm.kernels.lora",
             "replaylm.kernels.skinny_lora",
             "replaylm.kernels.moe_align", "replaylm.kernels.moe",
@@ -76,7 +77,7 @@ def kernels():
     by_name = {m.__name__.rsplit(".", 1)[1]: m for m in mods}
     yield SimpleNamespace(attn=by_name["attention"], kvw=by_name["kv_write"],
                           skinny=by_name["skinny"], skinny_split=by_name["skinny_split"],
-                          elementwise=by_name["elementwise"],
+                          elementwise=by_name["elementwise"], fp8_linear=by_name["fp8_linear"],
                           ops=by_name["ops"], tuner=by_name["tuner"], argmax=by_name["argmax"],
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
                           moe_align=by_name["moe_align"],

@@ -37,6 +37,25 @@ def test_quantize_fp8_rule():
     assert torch.equal(qe[1], ref.quantize_fp8(experts[1])[0])
 
 
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 100), (5, 5000)])
+def test_quantize_rows_kernel(kernels, m, k):
+    """W8A8's per-token quantization: one launch, the same e4m3 bits and scales as the torch
+    reference, across magnitudes (subnormals, the 448 clamp, ties), a zero row, and rows
+    wider than one block (5,000 > 4,096)."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 3, m)[:, None]
+    x[0, :4] = torch.tensor([0.0, -3e-9, 2.0**-10 * 3, 448.0 * 0.98])
+    if m > 2:
+        x[2] = 0
+    q, scale = kernels.fp8_linear.quantize_rows(x)
+    want_q, want_scale = ref.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (m, 1)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.float(), want_q.float())
+    if m > 2:
+        assert scale[2] == ref.MIN_ROW_SCALE and torch.all(q[2].float() == 0)
+
+
 @pytest.mark.parametrize("m,n,k,bias", [(1, 24, 64, False), (3, 37, 64, True),
                                         (8, 16, 100, False)])
 def test_skinny_fp8_linear(kernels, m, n, k, bias):
