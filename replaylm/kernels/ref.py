@@ -125,7 +125,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization for W8A8: ``x`` ``[M, K]`` as ``float8_e4m3fn`` with
     one float32 scale per row (``[M, 1]``, ``max(amax / 448, MIN_ROW_SCALE)``)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_ROW_SCALE)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # Divided by a tensor on amax's device: a CUDA tensor divided by a Python number is
+    # multiplied by the number's reciprocal instead, an ulp off for some rows.
+    scale = (amax / amax.new_full((), FP8_MAX)).clamp_min(MIN_ROW_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
