@@ -123,7 +123,9 @@ MIN_ROW_SCALE = 1e-12
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization for W8A8: ``x`` ``[M, K]`` as ``float8_e4m3fn`` with
-    one float32 scale per row (``[M, 1]``, ``max(amax / 448, MIN_ROW_SCALE)``)."""
+    one float32 scale per row (``[M, 1]``, ``max(amax / 448, MIN_ROW_SCALE)``). The kernel
+    (``fp8_linear.quantize_rows``) gives the same scales and values; a negative value that
+    rounds to zero is +0 there and -0 here."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     # Divided by a tensor on amax's device: a CUDA tensor divided by a Python number is
