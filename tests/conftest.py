@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -15,15 +14,6 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-@pytest.fixture(autouse=True)
-def _unfreeze_gc():
-    """An engine freezes what exists at its start-up (``EngineCore``); tests drop engines
-    without ``shutdown``, so each test hands the frozen objects back to the collector."""
-    yield
-    gc.unfreeze()
-
 
 # Under pytest-xdist (``pytest -n auto``), the name of this worker process ("gw0", ...).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -109,11 +108,6 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         self.runner.prepare_sleep()  # every graph (the draft model's too) is captured by now
         if draft_runner is not None:
             draft_runner.prepare_sleep()
-        # What start-up built (weights' modules, graphs, buffers, tokenizer tables) lives as
-        # long as the engine: moved out of the collector's generations, full collections
-        # while serving no longer walk it (they ran every few hundred steps).
-        gc.collect()
-        gc.freeze()
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)
@@ -216,9 +210,7 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         return self.stats
 
     def shutdown(self) -> None:
-        """No process to end (``Engine`` protocol); what start-up froze for the garbage
-        collector is handed back to it, so a dropped engine's reference cycles can go."""
-        gc.unfreeze()
+        """Nothing to end: this engine holds no process (``Engine`` protocol)."""
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished or self.inflight is not None

@@ -98,17 +98,3 @@ def test_abort_frees_blocks_and_others_continue(llama_dir):
     assert len(tokens) == 10
     assert core.block_manager.num_used_blocks == 0
     assert llm.stats().requests_aborted == 1
-
-
-def test_start_up_freezes_its_objects_for_the_collector(llama_dir):
-    """What start-up built is moved out of the collector's generations (full collections
-    while serving skip it); ``shutdown`` hands it back."""
-    import gc
-
-    gc.unfreeze()
-    llm = LLM(str(llama_dir), num_kv_blocks=64, skip_tokenizer_init=True)
-    assert gc.get_freeze_count() > 0
-    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
-    llm.shutdown()
-    assert gc.get_freeze_count() == 0
