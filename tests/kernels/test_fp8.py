@@ -39,9 +39,10 @@ def test_quantize_fp8_rule():
 
 @pytest.mark.parametrize("m,k", [(1, 64), (3, 100), (5, 5000)])
 def test_quantize_rows_kernel(kernels, m, k):
-    """W8A8's per-token quantization: one launch, the same e4m3 bits and scales as the torch
-    reference, across magnitudes (subnormals, the 448 clamp, ties), a zero row, and rows
-    wider than one block (5,000 > 4,096)."""
+    """W8A8's per-token quantization: one launch, the same e4m3 values and scales as the
+    torch reference (a negative value rounding to zero is +0 there), across magnitudes
+    (subnormals, the 448 clamp, ties), a zero row, and rows wider than one block (5,000 >
+    4,096)."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=g) * torch.logspace(-6, 3, m)[:, None]
     x[0, :4] = torch.tensor([0.0, -3e-9, 2.0**-10 * 3, 448.0 * 0.98])
