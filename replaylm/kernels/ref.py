@@ -315,7 +315,7 @@ class LoRADelta:
     segments: tuple[int, ...]
     #: The shrink's kernel is the last launch before the projection that takes this delta
     #: (``kernels.skinny_lora`` may then read its input rows before its PDL wait). A path
-    #: that launches anything in between passes ``dataclasses.replace(delta, fresh=False)``.
+    #: that launches anything in between passes it through :func:`launched_after`.
     fresh: bool = False
 
 

@@ -144,12 +144,12 @@ class DecoderLayer(nn.Module):
                                           scale=self.gate_up_proj.weight_scale, silu_out=True)
             down = self.down_proj
             out = k.linear(act, down.weight, down.bias, scale=down.weight_scale)
-            return (out if self.tp is None else self.tp.all_reduce(out)), residual
-        gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          scale=self.gate_up_proj.weight_scale, lora=lora)
-        # The adapters compute SiLU·mul of gate_up themselves.
-        out = self._down(gate_up, k, self.lora("down", gate_up, silu=True))
+        else:
+            gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
+                                              self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                              scale=self.gate_up_proj.weight_scale, lora=lora)
+            # The adapters compute SiLU·mul of gate_up themselves.
+            out = self._down(gate_up, k, self.lora("down", gate_up, silu=True))
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
     def _down(self, gate_up: torch.Tensor, k, lora: LoRADelta | None = None) -> torch.Tensor:
