@@ -40,6 +40,10 @@ _HELP: dict[str, str] = {
     "also decodes may carry, so new requests' prefills spread over the decode steps instead "
     "of making a few steps much longer (a step with nothing to decode fills "
     "max_num_batched_tokens; 0 = no cap)",
+    "gc_gen0_threshold": "Python's young-generation garbage-collection threshold, set for "
+    "the whole process once the engine has started (steps at a few hundred requests make "
+    "thousands of short-lived objects, and the default of 700 collects several times a "
+    "step; 0 = leave Python's thresholds as they are)",
     "gpu_memory_utilization": "share of GPU memory the engine may use (weights + activations "
     "+ KV cache)",
     "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
@@ -153,6 +157,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     # 256 decodes + 256 prompt tokens fill the largest default graph tier (max_graph_tokens).
     max_mixed_prefill_tokens: int = 256
+    gc_gen0_threshold: int = 20_000
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     cpu_kv_cache_gib: float = 1.0
@@ -223,6 +228,7 @@ class EngineArgs:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("max_mixed_prefill_tokens", self.max_mixed_prefill_tokens)
+        _non_negative("gc_gen0_threshold", self.gc_gen0_threshold)
         _non_negative("max_logprobs", self.max_logprobs)
         _positive("max_graph_tokens", self.max_graph_tokens)
         _positive("max_stop_strings", self.max_stop_strings)

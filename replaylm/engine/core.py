@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -59,19 +60,14 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
                                           enable_prefix_caching=args.enable_prefix_caching)
         kv_tokens = (self.runner.num_blocks - 1) * self.block_manager.block_size
         if kv_tokens < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {kv_tokens} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: raise the KV cache size or lower "
-                "max_model_len"
-            )
+            raise ValueError(f"the KV cache holds {kv_tokens} tokens, fewer than max_model_len="
+                             f"{self.max_model_len}: raise the KV cache size or lower "
+                             "max_model_len")
         self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            self.block_manager, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
-            max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
-        )
+            max_mixed_prefill_tokens=args.max_mixed_prefill_tokens)
         # LoRA (``enable_lora``): adapters on the host and in the runner's device slots.
         self.lora: LoRAManager | None = None
         if self.runner.lora_slots is not None:
@@ -108,6 +104,8 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
         self.runner.prepare_sleep()  # every graph (the draft model's too) is captured by now
         if draft_runner is not None:
             draft_runner.prepare_sleep()
+        if args.gc_gen0_threshold:  # for the process, once start-up's objects are made
+            gc.set_threshold(args.gc_gen0_threshold, *gc.get_threshold()[1:])
         log.info("engine ready: %s on %s (%s), %d KV blocks, graph mode %s",
                  cfg.name, self.runner.device, self.runner.dtype, self.runner.num_blocks,
                  self.graph_mode)

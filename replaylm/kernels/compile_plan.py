@@ -55,7 +55,8 @@ UNRELATED_ARGS = frozenset({
     "max_stop_strings", "max_stop_string_length", "distributed_timeout_s", "graph_check",
     "enable_sleep_mode", "sleep_pin_ahead",
     "structured_outputs_any_whitespace", "structured_outputs_compile_timeout_s",
-    "structured_outputs_compile_threads", "max_mixed_prefill_tokens", "max_cpu_loras"})
+    "structured_outputs_compile_threads", "max_mixed_prefill_tokens", "max_cpu_loras",
+    "gc_gen0_threshold"})
 
 #: LoRA's settings: part of the key only with LoRA on (its kernels then compile), so a start
 #: without LoRA keys as it would without these settings at all.

@@ -117,6 +117,8 @@ def test_invalid_engine_args_name_the_field():
         LLM("default", dtype="int8")
     with pytest.raises(ValueError, match=r"max_mixed_prefill_tokens=-1 .*>= 0"):
         LLM("default", max_mixed_prefill_tokens=-1)
+    with pytest.raises(ValueError, match=r"gc_gen0_threshold=-5 .*>= 0"):
+        LLM("default", gc_gen0_threshold=-5)
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,19 @@ def test_abort_frees_blocks_and_others_continue(llama_dir):
     assert len(tokens) == 10
     assert core.block_manager.num_used_blocks == 0
     assert llm.stats().requests_aborted == 1
+
+
+@pytest.mark.parametrize("threshold", [12_345, 0])
+def test_start_up_sets_the_young_gc_threshold(llama_dir, threshold):
+    """``gc_gen0_threshold``: set for the process once the engine has started; 0 leaves
+    Python's thresholds alone."""
+    import gc
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        LLM(str(llama_dir), num_kv_blocks=64, skip_tokenizer_init=True,
+            gc_gen0_threshold=threshold)
+        assert gc.get_threshold() == (threshold or 700, *before[1:])
+    finally:
+        gc.set_threshold(*before)
