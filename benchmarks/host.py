@@ -5,13 +5,18 @@ input copy, an argmax over N rows, and turning samples into outputs. That is the
 scheduling has to hide behind the GPU's step; run it on the serving host to see the margin.
 
     PYTHONPATH=. python benchmarks/host.py --requests 256 --steps 64 [--profile]
+
+It prints the median and mean step and the time Python's garbage collector took during the
+decode phase.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
+import statistics
 import time
 
 import torch
@@ -20,11 +25,15 @@ from replaylm import LLM, SamplingParams
 
 
 def host_step_ms(requests: int, steps: int, prompt_len: int = 128,
-                 profile: cProfile.Profile | None = None) -> float:
-    """Mean wall ms per decode step over the decode phase (prefill steps excluded)."""
+                 profile: cProfile.Profile | None = None, waves: int = 1,
+                 **engine_args: object) -> tuple[list[float], float]:
+    """Wall ms of each step after the first wave's prefill, and the ms the garbage collector
+    took in them. ``waves`` > 1: a closed loop, as ``bench decode`` runs it: each finished
+    request is replaced by a new one until ``waves * requests`` have been added (their
+    prefills then run beside the decodes)."""
     llm = LLM("default", device="cpu", max_num_seqs=requests, max_model_len=prompt_len + steps + 8,
               num_kv_blocks=requests * ((prompt_len + steps + 8) // 16 + 2) + 1,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, **engine_args)
     model = llm.engine.runner.model
     hidden = model.cfg.hidden_size
     # Stubs: no layers and no LM head, so what is left is the engine's own host work.
@@ -33,23 +42,39 @@ def host_step_ms(requests: int, steps: int, prompt_len: int = 128,
     logits = torch.zeros(max(requests, 8192), model.cfg.vocab_size)
     model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, model.cfg.vocab_size, (requests, prompt_len), generator=g).tolist()
+    prompts = torch.randint(3, model.cfg.vocab_size, (requests * waves, prompt_len),
+                            generator=g).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     core = llm.engine
-    for i, p in enumerate(prompts):
-        core.add_request(str(i), p, sp)
+    for i in range(requests):
+        core.add_request(str(i), prompts[i], sp)
+    added = requests
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) \
             or core.scheduler.num_waiting:
         core.step()  # prefill
-    n, start = 0, time.perf_counter()
+    times: list[float] = []
+    gc_s, gc_start = [0.0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
     if profile is not None:
         profile.enable()
     while core.has_unfinished():
-        core.step()
-        n += 1
+        start = time.perf_counter()
+        for delta in core.step():
+            if delta.finished and added < len(prompts):
+                core.add_request(str(added), prompts[added], sp)
+                added += 1
+        times.append((time.perf_counter() - start) * 1e3)
     if profile is not None:
         profile.disable()
-    return (time.perf_counter() - start) / max(n, 1) * 1e3
+    gc.callbacks.remove(on_gc)
+    return times, gc_s[0] * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="print the top functions (cProfile)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="requests added in all, in multiples of --requests: above 1, a closed "
+                         "loop (a finished request replaced at once)")
     ns = ap.parse_args(argv)
     prof = cProfile.Profile() if ns.profile else None
-    ms = host_step_ms(ns.requests, ns.steps, profile=prof)
-    print(f"{ns.requests} requests: {ms:.2f} ms per decode step (model stubbed, CPU)")
+    times, gc_ms = host_step_ms(ns.requests, ns.steps, profile=prof, waves=ns.waves)
+    print(f"{ns.requests} requests: {statistics.median(times):.2f} ms per decode step, median "
+          f"of {len(times)} (mean {statistics.fmean(times):.2f}; garbage collection "
+          f"{gc_ms:.0f} ms in all; model stubbed, CPU)")
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     return 0

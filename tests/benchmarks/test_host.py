@@ -12,5 +12,15 @@ if str(ROOT) not in sys.path:
 from benchmarks.host import host_step_ms  # noqa: E402
 
 
-def test_host_bench_runs_the_decode_phase() -> None:
-    assert host_step_ms(requests=4, steps=6, prompt_len=8) > 0
+def test_host_bench_times_each_decode_step() -> None:
+    times, gc_ms = host_step_ms(requests=4, steps=6, prompt_len=8)
+    # The prefill step (the first token) is not timed; the other 5 tokens take 5 decode steps,
+    # and with overlap scheduling one more step takes the last samples.
+    assert 5 <= len(times) <= 6 and all(t > 0 for t in times) and gc_ms >= 0
+
+
+def test_host_bench_closed_loop_replaces_finished_requests() -> None:
+    one, _ = host_step_ms(requests=4, steps=6, prompt_len=8)
+    two, _ = host_step_ms(requests=4, steps=6, prompt_len=8, waves=2)
+    # The second wave's 4 requests run after the first's finish: at least 6 steps more.
+    assert len(two) >= len(one) + 6
