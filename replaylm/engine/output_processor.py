@@ -22,6 +22,10 @@ class OutputState:
         self.stop = StopStringBuffer(p.stop or [], p.include_stop_str_in_output)
         self.sent_tokens = 0
         self.sent_prompt_logprobs = req.prompt_logprobs_k is None
+        # No text to make (no tokenizer), no stop strings, no logprobs: a delta is the new
+        # tokens alone (``make_delta``'s short path, a per-request, per-step cost).
+        self.tokens_only = (tokenizer is None and self.stop.automaton is None
+                            and p.logprobs is None and self.sent_prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -59,8 +63,15 @@ def attach_logprobs(out: SchedulerOutput, pending: PendingStep | None,
 
 def make_delta(req: Request, state: OutputState, scheduler: Scheduler) -> RequestDelta:
     """The delta for ``req`` after a step that gave it a token (or finished it)."""
-    params = req.sampling_params
     sent = state.sent_tokens
+    if state.tokens_only:
+        new_ids = req.output_token_ids[sent:]
+        state.sent_tokens = sent + len(new_ids)
+        status = req.status
+        return RequestDelta(req.parent_id, new_ids, "", status.finished, status.finish_reason,
+                            stop_reason=req.stop_reason if status.finished else None,
+                            num_prompt_tokens=len(req.prompt_token_ids), index=req.index)
+    params = req.sampling_params
     new_ids = req.output_token_ids[sent:]
     # Several new tokens (a verify's accepted run) go through the stop strings one at a
     # time, so a stop string inside the run ends the output at the token that completes it.

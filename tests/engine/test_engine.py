@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -114,3 +116,45 @@ def test_start_up_sets_the_young_gc_threshold(llama_dir, threshold):
         assert gc.get_threshold() == (threshold or 700, *before[1:])
     finally:
         gc.set_threshold(*before)
+
+
+def test_token_only_deltas_equal_the_full_path(llama_dir, monkeypatch):
+    """A request with no tokenizer, stop strings or logprobs gets its deltas without the
+    detokenizer and stop buffer (``OutputState.tokens_only``): every delta field the same as
+    the full path gives, for requests ended by length, by a stop token and by n > 1."""
+    from replaylm.engine import output_processor
+
+    prompts = _prompts(6, seed=4)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=5 + 3 * i,
+                             n=2 if i == 4 else 1) for i in range(6)]
+    # Request 3 (greedy) stops at its own third token, a stop token id.
+    probe = LLM(str(llama_dir), num_kv_blocks=128, skip_tokenizer_init=True).generate(
+        [prompts[3]], params[3], use_tqdm=False)[0].outputs[0].token_ids
+    params[3] = SamplingParams(temperature=0.0, max_tokens=14, stop_token_ids=[probe[2]])
+
+    def deltas() -> list[dict]:
+        llm = LLM(str(llama_dir), num_kv_blocks=128, skip_tokenizer_init=True)
+        core = llm.engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            core.add_request(str(i), p, sp)
+        got = []
+        while core.has_unfinished():
+            got += [dataclasses.asdict(d) for d in core.step()]
+        return got
+
+    fast = deltas()
+    made = []
+    real_init = output_processor.OutputState.__init__
+
+    def full_path(self, req, tokenizer):
+        real_init(self, req, tokenizer)
+        made.append(self.tokens_only)
+        self.tokens_only = False
+
+    monkeypatch.setattr(output_processor.OutputState, "__init__", full_path)
+    full = deltas()
+    assert made and all(made)  # every request took the short path in the first run
+    assert fast == full
+    assert {d["finish_reason"] for d in fast if d["finished"]} == {"length", "stop"}
+    assert [d["stop_reason"] for d in fast if d["finished"] and d["request_id"] == "3"] == \
+        [probe[2]]
