@@ -6,6 +6,10 @@ scheduling has to hide behind the GPU's step; run it on the serving host to see 
 
     PYTHONPATH=. python benchmarks/host.py --requests 256 --steps 64 [--profile]
 
+``--model NAME --device cuda`` runs that model for real instead (random weights for a named
+shape), graphs and all: with ``--profile`` the top functions then show where the host's
+time goes beside a real step, the device path's own calls included.
+
 It prints the median and mean step and the time Python's garbage collector took during the
 decode phase.
 """
@@ -26,23 +30,31 @@ from replaylm import LLM, SamplingParams
 
 def host_step_ms(requests: int, steps: int, prompt_len: int = 128,
                  profile: cProfile.Profile | None = None, waves: int = 1,
+                 model: str | None = None, device: str = "cpu",
                  **engine_args: object) -> tuple[list[float], float]:
     """Wall ms of each step after the first wave's prefill, and the ms the garbage collector
     took in them. ``waves`` > 1: a closed loop, as ``bench decode`` runs it: each finished
     request is replaced by a new one until ``waves * requests`` have been added (their
-    prefills then run beside the decodes)."""
-    llm = LLM("default", device="cpu", max_num_seqs=requests, max_model_len=prompt_len + steps + 8,
-              num_kv_blocks=requests * ((prompt_len + steps + 8) // 16 + 2) + 1,
-              skip_tokenizer_init=True, **engine_args)
-    model = llm.engine.runner.model
-    hidden = model.cfg.hidden_size
-    # Stubs: no layers and no LM head, so what is left is the engine's own host work.
-    model.forward = lambda ids, pos, meta, embedded=None, rows=None: torch.zeros(
-        ids.shape[0] if rows is None else rows.shape[0], hidden)
-    logits = torch.zeros(max(requests, 8192), model.cfg.vocab_size)
-    model.compute_logits = lambda h, out=None: logits[: h.shape[0]]
+    prefills then run beside the decodes). ``model``: run it for real on ``device`` (random
+    weights), not the stubbed built-in model on the CPU."""
+    max_len = prompt_len + steps + 8
+    if model is None:
+        llm = LLM("default", device="cpu", max_num_seqs=requests, max_model_len=max_len,
+                  num_kv_blocks=requests * (max_len // 16 + 2) + 1, skip_tokenizer_init=True,
+                  **engine_args)
+        net = llm.engine.runner.model
+        hidden = net.cfg.hidden_size
+        # Stubs: no layers and no LM head, so what is left is the engine's own host work.
+        net.forward = lambda ids, pos, meta, embedded=None, rows=None: torch.zeros(
+            ids.shape[0] if rows is None else rows.shape[0], hidden)
+        logits = torch.zeros(max(requests, 8192), net.cfg.vocab_size)
+        net.compute_logits = lambda h, out=None: logits[: h.shape[0]]
+    else:
+        llm = LLM(model, device=device, max_num_seqs=requests, max_model_len=max_len,
+                  load_format="dummy", skip_tokenizer_init=True, **engine_args)
+    vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, model.cfg.vocab_size, (requests * waves, prompt_len),
+    prompts = torch.randint(3, vocab, (requests * waves, prompt_len),
                             generator=g).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     core = llm.engine
@@ -85,12 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waves", type=int, default=1,
                     help="requests added in all, in multiples of --requests: above 1, a closed "
                          "loop (a finished request replaced at once)")
+    ap.add_argument("--model", default=None,
+                    help="run this model for real (random weights) instead of the stub")
+    ap.add_argument("--device", default="cpu", help="with --model: where it runs")
     ns = ap.parse_args(argv)
     prof = cProfile.Profile() if ns.profile else None
-    times, gc_ms = host_step_ms(ns.requests, ns.steps, profile=prof, waves=ns.waves)
+    times, gc_ms = host_step_ms(ns.requests, ns.steps, profile=prof, waves=ns.waves,
+                                model=ns.model, device=ns.device)
+    what = "model stubbed, CPU" if ns.model is None else f"{ns.model} on {ns.device}"
     print(f"{ns.requests} requests: {statistics.median(times):.2f} ms per decode step, median "
           f"of {len(times)} (mean {statistics.fmean(times):.2f}; garbage collection "
-          f"{gc_ms:.0f} ms in all; model stubbed, CPU)")
+          f"{gc_ms:.0f} ms in all; {what})")
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     return 0

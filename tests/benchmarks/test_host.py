@@ -24,3 +24,9 @@ def test_host_bench_closed_loop_replaces_finished_requests() -> None:
     two, _ = host_step_ms(requests=4, steps=6, prompt_len=8, waves=2)
     # The second wave's 4 requests run after the first's finish: at least 6 steps more.
     assert len(two) >= len(one) + 6
+
+
+def test_host_bench_runs_a_real_model() -> None:
+    """``model``: the named model runs for real (here the built-in one on the CPU)."""
+    times, _ = host_step_ms(requests=2, steps=4, prompt_len=8, model="default")
+    assert 3 <= len(times) <= 4 and all(t > 0 for t in times)
