@@ -42,8 +42,8 @@ _HELP: dict[str, str] = {
     "max_num_batched_tokens; 0 = no cap)",
     "gc_gen0_threshold": "Python's young-generation garbage-collection threshold, set for "
     "the whole process once the engine has started (steps at a few hundred requests make "
-    "thousands of short-lived objects, and the default of 700 collects several times a "
-    "step; 0 = leave Python's thresholds as they are)",
+    "thousands of short-lived objects, and at the default of 700 the collector runs in nearly "
+    "every step; 0 = leave Python's thresholds as they are)",
     "gpu_memory_utilization": "share of GPU memory the engine may use (weights + activations "
     "+ KV cache)",
     "num_kv_blocks": "fixed number of 16-token KV blocks (overrides the memory-based sizing)",
