@@ -64,15 +64,14 @@ def attach_logprobs(out: SchedulerOutput, pending: PendingStep | None,
 def make_delta(req: Request, state: OutputState, scheduler: Scheduler) -> RequestDelta:
     """The delta for ``req`` after a step that gave it a token (or finished it)."""
     sent = state.sent_tokens
+    new_ids = req.output_token_ids[sent:]
     if state.tokens_only:
-        new_ids = req.output_token_ids[sent:]
         state.sent_tokens = sent + len(new_ids)
         status = req.status
         return RequestDelta(req.parent_id, new_ids, "", status.finished, status.finish_reason,
                             stop_reason=req.stop_reason if status.finished else None,
-                            num_prompt_tokens=len(req.prompt_token_ids), index=req.index)
+                            num_prompt_tokens=req.num_prompt_tokens, index=req.index)
     params = req.sampling_params
-    new_ids = req.output_token_ids[sent:]
     # Several new tokens (a verify's accepted run) go through the stop strings one at a
     # time, so a stop string inside the run ends the output at the token that completes it.
     pieces = [new_ids] if len(new_ids) <= 1 else [[t] for t in new_ids]
