@@ -6,14 +6,15 @@ Two tables, every figure the device µs of one layer's call, replayed from a CUD
 cycles through the layers' slot buffers (as a decode step reads each layer's adapters once),
 with every row on an adapter (4 slots, round robin) or every row a base-model row (slot -1).
 Each group's input rows go through its prologue (RMSNorm of the residual add for qkv and
-gate_up, SiLU·mul for down), as in the model.
+gate_up), as in the model; down's input is the activated rows gate_up's epilogue stored.
 
 - ``lora_add`` per group and row count (``--rows``): the shrink over K ranges, then the
   expand (the path above the skinny kernel's rows), and the shrink's K ranges per row.
 - The projection with its delta per group at ``--fold-rows`` (default 1 row): the base
   projection alone (``kernels.ops``, its tuned tile; its weights cycle through copies that
   exceed L2, so they stream from HBM, and its bandwidth is printed against the weight
-  bytes); *separate*: shrink, that projection, then ``lora_expand`` (three launches);
+  bytes; gate_up with SiLU·mul in its epilogue, as the model runs it); *separate*: shrink,
+  that projection (gate_up without its SiLU·mul), then ``lora_expand`` (three launches);
   *folded*: shrink, then the projection with its LoRA epilogue (``kernels.skinny_lora``: two
   launches), which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
   (``tile`` says which ran: ``folded`` or ``separate``); and *folded, base rows*: the folded
@@ -56,10 +57,9 @@ def time_group(slots: LoRASlots, group: str, rows: int, on_adapters: bool,
     """µs of ``lora_add`` for ``rows`` rows of ``group``."""
     g = slots.groups[group]
     dev = slots.device
-    width = 2 * g.in_dim if group == "down" else g.in_dim
-    x = torch.randn(rows, width, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(rows, g.in_dim, device=dev, dtype=torch.bfloat16)
     y = torch.zeros(rows, g.out_dim, device=dev, dtype=torch.bfloat16)
-    kw: dict = {"silu": True} if group == "down" else {}
+    kw: dict = {}
     if group in ("qkv", "gate_up"):
         kw = {"norm_weight": torch.ones(g.in_dim, device=dev, dtype=torch.bfloat16),
               "eps": 1e-5}
@@ -80,8 +80,7 @@ def _inputs(slots: LoRASlots, group: str, rows: int) -> dict:
     """A group's raw input rows (and residual and norm weight for the norm prologue)."""
     g = slots.groups[group]
     dev, bf16 = slots.device, torch.bfloat16
-    width = 2 * g.in_dim if group == "down" else g.in_dim
-    kw: dict = {"x": torch.randn(rows, width, device=dev, dtype=bf16)}
+    kw: dict = {"x": torch.randn(rows, g.in_dim, device=dev, dtype=bf16)}
     if group in ("qkv", "gate_up"):
         kw |= {"residual": torch.randn(rows, g.in_dim, device=dev, dtype=bf16),
                "norm_weight": torch.ones(g.in_dim, device=dev, dtype=bf16), "eps": 1e-5}
@@ -89,22 +88,22 @@ def _inputs(slots: LoRASlots, group: str, rows: int) -> dict:
 
 
 def _project(group: str, inputs: dict, weight: torch.Tensor,
-             delta: ref.LoRADelta | None) -> torch.Tensor:
-    """The group's projection as the model runs it (``kernels.ops``), with ``delta``."""
+             lora_group: ref.LoRAGroup | None, silu: bool = True) -> torch.Tensor:
+    """The group's projection as the model runs it (``kernels.ops``; gate_up with SiLU·mul
+    of its output unless ``silu`` is off), with ``lora_group``'s adapters."""
     x = inputs["x"]
     if group in ("qkv", "gate_up"):
         return ops.norm_linear(x, inputs["residual"], inputs["norm_weight"], inputs["eps"],
-                               weight, lora=delta)[0]
-    if group == "down":
-        return ops.silu_linear(x, weight, lora=delta)
-    return ops.linear(x, weight, lora=delta)
+                               weight, lora=lora_group,
+                               silu_out=silu and group == "gate_up")[0]
+    return ops.linear(x, weight, lora=lora_group)
 
 
 def _folds(group: str, rows: int, weight: torch.Tensor) -> bool:
     """Whether ``kernels.ops`` folds the delta at this shape: the tuned tile (decided by
     the first call) is a whole-K skinny tile; where the separate prologue won, the plain
     projection's tile."""
-    kind = {"qkv": "norm", "gate_up": "norm", "down": "silu"}.get(group, "plain")
+    kind = {"qkv": "norm", "gate_up": "norm"}.get(group, "plain")
     shape = (ops.row_block(rows), weight.shape[0], weight.shape[1], weight.dtype, False)
     choice = tuner.LINEAR_CHOICES.get((kind, *shape))
     if choice is not None and choice[0] is None and kind != "plain":
@@ -119,8 +118,7 @@ def time_projection(slots: LoRASlots, group: str, rows: int, path: str, on_adapt
     g = slots.groups[group]
     dev = slots.device
     inputs = _inputs(slots, group, rows)
-    shrink_kw = {k: v for k, v in inputs.items() if k != "x"} | (
-        {"silu": True} if group == "down" else {})
+    shrink_kw = {k: v for k, v in inputs.items() if k != "x"}
     weights = tuner.weight_rotation(torch.randn(g.out_dim, g.in_dim, device=dev,
                                                 dtype=torch.bfloat16) * g.in_dim**-0.5)
     slots.token_slots[:rows] = (torch.arange(rows, device=dev) % slots.max_loras
@@ -132,11 +130,12 @@ def time_projection(slots: LoRASlots, group: str, rows: int, path: str, on_adapt
         if path == "base":
             _project(group, inputs, w, None)
             return
-        delta = slots.shrink(i % layers, group, inputs["x"], **shrink_kw)
+        adapters = slots.group(i % layers, group)
         if path == "folded":
-            _project(group, inputs, w, delta)
+            _project(group, inputs, w, adapters)
             return
-        y = _project(group, inputs, w, None)
+        delta = adapters.shrink(inputs["x"], **shrink_kw)
+        y = _project(group, inputs, w, None, silu=False)
         lora.lora_expand(y, delta.s, delta.b, delta.slots, delta.ranks, delta.scales,
                          delta.segments)
 

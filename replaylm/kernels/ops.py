@@ -11,11 +11,12 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
-* ``lora``: each projection's LoRA delta, shrunk (``ref.LoRADelta``): folded into the skinny
-  kernel's epilogue (``kernels.skinny_lora``) where the projection runs a whole-K skinny
-  tile, with its prologue or, where the separate norm or SiLU·mul won, as the plain
-  projection after it; else added after the projection by ``lora.lora_expand``. The tile is
-  the one the tuner chose for the projection without LoRA.
+* ``lora``: each projection group's adapters (``ref.LoRAGroup``). The op launches their
+  shrink right before the projection, from the rows the projection reads: the raw input
+  with the fused prologue, or the rows a separate norm or SiLU·mul made. The delta is then
+  folded into the skinny kernel's epilogue (``kernels.skinny_lora``) where the projection
+  runs a whole-K skinny tile, else added after the projection by ``lora.lora_expand``. The
+  tile is the one the tuner chose for the projection without LoRA.
 * :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_route``).
 * :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
   (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
@@ -39,7 +40,7 @@ from replaylm.kernels import (
 )
 from replaylm.kernels.elementwise import add_rms_norm, rotary, silu_and_mul
 from replaylm.kernels.lora import lora_expand
-from replaylm.kernels.ref import FP8_DTYPE, LoRADelta, launched_after, split_qkv
+from replaylm.kernels.ref import FP8_DTYPE, LoRADelta, LoRAGroup, split_qkv
 
 __all__ = ["add_rms_norm", "fused_moe", "linear", "norm_linear", "rotary", "route_topk",
            "shared_combine", "silu_and_mul", "silu_linear", "split_qkv"]
@@ -96,16 +97,22 @@ def _kind(kind: str, weight: torch.Tensor) -> str:
     return f"{kind}-fp8" if weight.dtype == FP8_DTYPE else kind
 
 
-def _expand(y: torch.Tensor, lora: LoRADelta | None) -> torch.Tensor:
-    """``y`` plus ``lora``'s delta, in place (``lora.lora_expand``); ``y`` without one."""
-    if lora is None:
+def _shrink(lora: LoRAGroup | None, x: torch.Tensor, **prologue) -> LoRADelta | None:
+    """``lora``'s delta of ``x``'s rows (``LoRAGroup.shrink``); None without adapters."""
+    return None if lora is None else lora.shrink(x, **prologue)
+
+
+def _expand(y: torch.Tensor, delta: LoRADelta | None) -> torch.Tensor:
+    """``y`` plus ``delta``, in place (``lora.lora_expand``); ``y`` without one."""
+    if delta is None:
         return y
-    return lora_expand(y, lora.s, lora.b, lora.slots, lora.ranks, lora.scales, lora.segments)
+    return lora_expand(y, delta.s, delta.b, delta.slots, delta.ranks, delta.scales,
+                       delta.segments)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-           lora: LoRADelta | None = None, silu_out: bool = False) -> torch.Tensor:
+           lora: LoRAGroup | None = None, silu_out: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias``: the fastest of cuBLAS and the skinny kernel's tile candidates
     for this shape; written into ``out`` when given. ``scale``: the per-row scales of an FP8
     ``weight``. Its few-row path is weight-only (the skinny kernel's FP8 variant against
@@ -115,13 +122,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The choice is measured on the first call of a shape outside graph capture (graph capture
     warms up eagerly first, so every captured shape is decided before its capture) and kept.
-    ``lora``: the adapters' delta (module docstring). ``silu_out``: ``weight`` is
-    ``[gate | up]`` and the result is ``silu_and_mul`` of the projection: in a whole-K skinny
-    tile's epilogue (``skinny.skinny_linear(silu_pairs=True)``), else a launch after it.
+    ``lora``: the adapters (module docstring). ``silu_out``: ``weight`` is ``[gate | up]``
+    and the result is ``silu_and_mul`` of the projection: in a whole-K skinny tile's
+    epilogue (``skinny.skinny_linear(silu_pairs=True)``), else a launch after it.
     """
-    assert not (silu_out and (lora is not None or out is not None))
+    assert not (silu_out and out is not None)
     if not _few_rows(x):
-        return _silu(_expand(_unfused_linear(x, weight, bias, out, scale), lora), silu_out)
+        delta = _shrink(lora, x)
+        return _silu(_expand(_unfused_linear(x, weight, bias, out, scale), delta), silu_out)
     config = tuner.choose(
         (_kind("plain", weight), row_block(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype,
          bias is not None),
@@ -129,15 +137,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         unfused=lambda w: ref.linear(x, w, bias, out, scale=scale),
         fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out, scale=scale),
     )
-    if lora is not None and skinny_lora.foldable(config):
-        return skinny_lora.lora_linear(x, weight, bias, lora, config, out=out, scale=scale)
-    if silu_out and skinny_lora.foldable(config):  # a whole-K tile: the epilogue pairs rows
+    whole_k = skinny_lora.foldable(config)  # a whole-K tile: the epilogue can pair SiLU rows
+    delta = _shrink(lora, x)
+    if delta is not None and whole_k:
+        return skinny_lora.lora_linear(x, weight, bias, delta, config, out=out, scale=scale,
+                                       silu_pairs=silu_out)
+    if silu_out and whole_k:
         return skinny.skinny_linear(x, weight, bias, config=config, scale=scale,
                                     silu_pairs=True)
     if config is not None:
         return _silu(_expand(skinny.skinny_linear(x, weight, bias, config=config, out=out,
-                                                  scale=scale), lora), silu_out)
-    return _silu(_expand(ref.linear(x, weight, bias, out, scale=scale), lora), silu_out)
+                                                  scale=scale), delta), silu_out)
+    return _silu(_expand(ref.linear(x, weight, bias, out, scale=scale), delta), silu_out)
 
 
 def _silu(y: torch.Tensor, silu_out: bool) -> torch.Tensor:
@@ -155,23 +166,22 @@ def _unfused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _unfused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, scale: torch.Tensor | None = None,
-                         lora: LoRADelta | None = None, silu_out: bool = False,
+                         lora: LoRAGroup | None = None, silu_out: bool = False,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` then ``linear`` (which folds ``lora``'s delta where it can): two
-    launches (one above ``MAX_M`` rows)."""
+    """``add_rms_norm`` then ``linear`` (which shrinks ``lora`` from the normed rows): two
+    launches (one above ``MAX_M`` rows) besides the adapters'."""
     normed, new_res = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, scale=scale, lora=launched_after(lora),
-                  silu_out=silu_out), new_res
+    return linear(normed, weight, bias, scale=scale, lora=lora, silu_out=silu_out), new_res
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-    lora: LoRADelta | None = None, silu_out: bool = False,
+    lora: LoRAGroup | None = None, silu_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm`` then ``linear``; returns ``(projection, new_residual)``. At a few
-    rows one kernel does both when the measured choice says so. ``lora``: the adapters'
-    delta (module docstring). ``silu_out``: as for :func:`linear`."""
+    rows one kernel does both when the measured choice says so. ``lora``: the adapters
+    (module docstring). ``silu_out``: as for :func:`linear`."""
     if _few_rows(x):
         key = (_kind("norm" if residual is not None else "norm0", weight), row_block(x.shape[0]),
                weight.shape[0], weight.shape[1], x.dtype, bias is not None)
@@ -181,26 +191,28 @@ def norm_linear(
                                                    scale),
             fused=lambda cfg, w: skinny.skinny_norm_linear(x, residual, norm_weight, eps, w,
                                                            bias, config=cfg, scale=scale))
-        if lora is not None and skinny_lora.foldable(config):
-            return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                                lora, config, scale=scale)
         if config is not None:
             pairs = silu_out and skinny_lora.foldable(config)  # whole-K: the epilogue pairs
+            delta = _shrink(lora, x, norm_weight=norm_weight, eps=eps, residual=residual)
+            if delta is not None and skinny_lora.foldable(config):
+                return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                                    delta, config, scale=scale,
+                                                    silu_pairs=pairs)
             y, new_res = skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
                                                    config=config, scale=scale, silu_pairs=pairs)
-            return _silu(_expand(y, lora), silu_out and not pairs), new_res
+            return _silu(_expand(y, delta), silu_out and not pairs), new_res
     return _unfused_norm_linear(x, residual, norm_weight, eps, weight, bias, scale, lora,
                                 silu_out)
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                scale: torch.Tensor | None = None, lora: LoRAGroup | None = None,
                 ) -> torch.Tensor:
     """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster.
-    ``lora``: the adapters' delta (module docstring)."""
+    ``lora``: the adapters (module docstring)."""
 
-    def unfused(w: torch.Tensor = weight, lora: LoRADelta | None = None):
-        return linear(silu_and_mul(gate_up), w, scale=scale, lora=launched_after(lora))
+    def unfused(w: torch.Tensor = weight, lora: LoRAGroup | None = None):
+        return linear(silu_and_mul(gate_up), w, scale=scale, lora=lora)
 
     if _few_rows(gate_up):
         key = (_kind("silu", weight), row_block(gate_up.shape[0]), weight.shape[0], weight.shape[1],
@@ -208,9 +220,10 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         config = tuner.choose(
             key, weight, unfused,
             lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg, scale=scale))
-        if lora is not None and skinny_lora.foldable(config):
-            return skinny_lora.lora_silu_linear(gate_up, weight, lora, config, scale=scale)
         if config is not None:
+            delta = _shrink(lora, gate_up, silu=True)
+            if delta is not None and skinny_lora.foldable(config):
+                return skinny_lora.lora_silu_linear(gate_up, weight, delta, config, scale=scale)
             return _expand(skinny.skinny_silu_linear(gate_up, weight, config=config,
-                                                     scale=scale), lora)
+                                                     scale=scale), delta)
     return unfused(lora=lora)

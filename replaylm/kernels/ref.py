@@ -10,6 +10,7 @@ last bit or one ulp. This module imports only torch: it works without Triton.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -145,13 +146,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-           lora: LoRADelta | None = None) -> torch.Tensor:
+           lora: LoRAGroup | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, written into ``out`` when given. ``scale``: the per-row
     float32 scales of an FP8 ``weight`` (``quantize_fp8``), which is dequantized to ``x``'s
-    dtype first. ``lora``: an adapter delta folded in before the one rounding
-    (:func:`lora_linear`)."""
+    dtype first. ``lora``: the adapters, whose delta of ``x`` is folded in before the one
+    rounding (:func:`lora_linear`)."""
     if lora is not None:
-        y = lora_linear(x, weight, bias, lora, scale)
+        y = lora_linear(x, weight, bias, lora.shrink(x), scale)
         return y if out is None else out.copy_(y)
     if scale is not None:
         weight = dequantize(weight, scale, x.dtype)
@@ -165,7 +166,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-    lora: LoRADelta | None = None, silu_out: bool = False,
+    lora: LoRAGroup | None = None, silu_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm, then a projection; returns ``(projection, new_residual)``.
     ``silu_out``: ``weight`` is ``[gate | up]``, and the projection is ``silu_and_mul`` of it."""
@@ -175,7 +176,7 @@ def norm_linear(
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None, lora: LoRADelta | None = None,
+                scale: torch.Tensor | None = None, lora: LoRAGroup | None = None,
                 ) -> torch.Tensor:
     """SiLU-and-mul, then a projection (down_proj)."""
     return linear(silu_and_mul(gate_up), weight, scale=scale, lora=lora)
@@ -299,8 +300,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 @dataclasses.dataclass(frozen=True)
 class LoRADelta:
-    """A projection's adapter delta, shrunk and waiting to be added: what ``linear``,
-    ``norm_linear`` and ``silu_linear`` (here and in ``kernels.ops``) take as ``lora``.
+    """A projection's adapter delta, shrunk and waiting to be added (:meth:`LoRAGroup.shrink`):
+    what :func:`lora_linear`, ``kernels.skinny_lora`` and the expands take.
 
     ``s``: the shrink of the projection's input rows, as the module that made it returns it:
     ``lora_shrink``'s rows ``[T, S*R]`` in the model dtype, or ``kernels.lora.lora_shrink``'s
@@ -313,16 +314,36 @@ class LoRADelta:
     ranks: torch.Tensor
     scales: torch.Tensor
     segments: tuple[int, ...]
-    #: The shrink's kernel is the last launch before the projection that takes this delta
-    #: (``kernels.skinny_lora`` may then read its input rows before its PDL wait). A path
-    #: that launches anything in between passes it through :func:`launched_after`.
-    fresh: bool = False
 
 
-def launched_after(lora: LoRADelta | None) -> LoRADelta | None:
-    """``lora`` for a projection that runs after another launch than its shrink's (no
-    longer ``fresh``)."""
-    return None if lora is None else dataclasses.replace(lora, fresh=False)
+@dataclasses.dataclass(frozen=True)
+class LoRAGroup:
+    """A projection group's adapters for a step (``replaylm.lora``): what ``linear``,
+    ``norm_linear`` and ``silu_linear`` (here and in ``kernels.ops``) take as ``lora``.
+
+    The op shrinks the rows its projection reads (:meth:`shrink`) right before the
+    projection's launch: the raw input with the op's prologue where one kernel does both,
+    else the rows the separate norm or SiLU·mul made. ``a`` ``[L, S*R, in]``, ``b``, ``ranks``,
+    ``scales`` and ``segments`` as in ``lora_shrink`` and ``lora_expand``; ``slots``: the
+    step's per-token slots (at least as many as the op's rows; the first ``T`` are read);
+    ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    segments: tuple[int, ...]
+    shrink_op: Callable[..., torch.Tensor]
+
+    def shrink(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               silu: bool = False, residual: torch.Tensor | None = None) -> LoRADelta:
+        """The delta of ``x``'s rows: the prologue's rows of ``x`` (``lora_input``'s
+        arguments) shrunk."""
+        slots = self.slots[: x.shape[0]]
+        s = self.shrink_op(x, self.a, slots, self.ranks, len(self.segments), norm_weight, eps,
+                           silu, residual)
+        return LoRADelta(s, self.b, slots, self.ranks, self.scales, self.segments)
 
 
 def lora_delta(lora: LoRADelta, dtype: torch.dtype) -> torch.Tensor:

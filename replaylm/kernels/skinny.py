@@ -329,7 +329,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if rest and rest[0] > 1:
         chunks, splits = skinny_split.split_chunks(k, bk, rest[0])
     assert (kernel is None and not silu_pairs) or splits == 1, "whole-K tiles only"
-    assert not silu_pairs or (n % 2 == 0 and bn >= 2 and kernel is None)
+    assert not silu_pairs or (n % 2 == 0 and bn >= 2)
     part = skinny_split.partials(splits, bm, n, x.device) if splits > 1 else y
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x

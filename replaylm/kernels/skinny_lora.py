@@ -15,12 +15,13 @@ and nothing more: the epilogue is skipped when no row of the tile is live, and a
 dead rows are stored as the plain kernel computes them. Slot, rank and scale are read on
 the device, so one captured graph serves every mix of adapters.
 
-It shares ``_skinny_kernel``'s strip loads, main loop and epilogue (``skinny._load_strip``,
-``_strip_sums``, ``_epilogue``), runs whole-K tiles only (a split-K tile's reduction pass
-would need the delta instead) and takes the tile the tuner chose for the base projection.
-``kernels.ops`` decides when to fold: where the projection (with its prologue, or plain
-after a separate norm or SiLU·mul) runs a whole-K skinny tile; otherwise the projection runs
-as without LoRA and ``lora_expand`` follows.
+It shares ``_skinny_kernel``'s strip loads, main loop and epilogues (``skinny._load_strip``,
+``_strip_sums``, ``_epilogue``, the paired SiLU·mul store), runs whole-K tiles only (a
+split-K tile's reduction pass would need the delta instead) and takes the tile the tuner
+chose for the base projection. ``kernels.ops`` decides when to fold: where the projection
+(with its prologue, or plain after a separate norm or SiLU·mul) runs a whole-K skinny tile;
+otherwise the projection runs as without LoRA and ``lora_expand`` follows. The op launches
+the shrink right before this kernel, so it may form its sums before its PDL wait.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import triton.language as tl
 
 from replaylm.kernels import skinny
 from replaylm.kernels.lora import segment_bounds
-from replaylm.kernels.pdl import release_next, wait_for_previous, wait_previous
+from replaylm.kernels.pdl import release_next, wait_previous
 from replaylm.kernels.ref import LoRADelta
 from replaylm.kernels.skinny import _load_strip, _strip_sums
-from replaylm.kernels.skinny_epilogue import _epilogue
+from replaylm.kernels.skinny_epilogue import _epilogue, _store_silu_pairs
 
 
 @triton.jit
@@ -100,51 +101,50 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                         EVEN_K: tl.constexpr, CHUNKS: tl.constexpr, WHOLE: tl.constexpr,
                         SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
                         SILU_PAIRS: tl.constexpr, R: tl.constexpr,
-                        NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                        EARLY_ROWS: tl.constexpr):
+                        NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
     """``skinny._skinny_kernel`` for whole-K tiles (``SPLIT_K`` 1, ``part_ptr`` unused) with
-    the LoRA delta (``_lora_delta``) added to its fp32 sums before the store."""
+    the LoRA delta (``_lora_delta``) added to its fp32 sums before the store (with
+    ``SILU_PAIRS``, before SiLU·mul of the paired gate and up rows)."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SILU_PAIRS:  # the strip of paired gate and up rows, as in ``_skinny_kernel``
+        pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
+        offs_n = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, pair, pair + N // 2)
+        n_mask = pair < N // 2
+        n_lo = pid * (BLOCK_N // 2)  # a gate row and an up row: both segments
+        n_hi = N // 2 + n_lo
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        n_lo = pid * BLOCK_N
+        n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
     m_mask = offs_m < M
     # The weight strip and the LoRA weights before the PDL wait, as in ``_skinny_kernel``.
     w_ptrs, w0, w1, w2, w3 = _load_strip(w_ptr, offs_n, n_mask, cols, 0, stride_wn, K, BLOCK_K,
                                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
     b, rank, scale = _lora_weights(lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask,
                                    offs_n, n_mask, stride_lbl, stride_lbn, BLOCK_R)
-    n_lo = pid * BLOCK_N
-    n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
-    if EARLY_ROWS:
-        # Right after the shrink, which let this kernel be scheduled only once everything
-        # before it had completed (``pdl.release_after_wait``): the input rows are final,
-        # so the sums run at once, beside the shrink; the wait comes before its sums are read.
-        release_next(USE_PDL)
-        out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
-                              res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm,
-                              stride_rm, stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M,
-                              BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
-        wait_previous(USE_PDL)
-        delta, live = _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo,
-                                  n_hi, seg1, seg2, stride_lpt, stride_lps, R, NUM_SEG,
-                                  SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
-    else:
-        wait_for_previous(USE_PDL)
-        # The delta first: its loads (the shrink's partials) are in flight while the
-        # strip's sums are formed.
-        delta, live = _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo,
-                                  n_hi, seg1, seg2, stride_lpt, stride_lps, R, NUM_SEG,
-                                  SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
-        out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
-                              res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm,
-                              stride_rm, stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M,
-                              BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, CHUNKS, WHOLE)
+    # Launched right after the shrink, which let this kernel be scheduled only once
+    # everything before it had completed (``pdl.release_after_wait``): the input rows are
+    # final, so the sums run at once, beside the shrink; the wait comes before its sums
+    # are read.
+    release_next(USE_PDL)
+    out, sq = _strip_sums(w_ptrs, w0, w1, w2, w3, n_mask, 0, K, x_ptr, r_ptr, nw_ptr,
+                          res_out_ptr, offs_m, m_mask, cols, pid == 0, stride_xm, stride_rm,
+                          stride_om, K, PROLOGUE, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+                          EVEN_N, EVEN_K, CHUNKS, WHOLE)
+    wait_previous(USE_PDL)
+    delta, live = _lora_delta(y_ptr, lp_ptr, b, rank, scale, offs_m, offs_n, n_lo, n_hi, seg1,
+                              seg2, stride_lpt, stride_lps, R, NUM_SEG, SPLITS, BLOCK_M,
+                              BLOCK_N, BLOCK_R)
     out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE, HAS_BIAS)
     out = tl.where(live[:, None], out + delta, out)  # a dead row: the plain kernel's sums
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SILU_PAIRS:
+        _store_silu_pairs(out, y_ptr, offs_m, m_mask, pid, N // 2, stride_ym, BLOCK_M, BLOCK_N)
+    else:
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def foldable(config: tuple[int, ...] | None) -> bool:
@@ -166,7 +166,7 @@ def _epilogue_args(lora: LoRADelta, out_dim: int) -> dict:
                 scales_ptr=lora.scales, seg1=seg1, seg2=seg2, stride_lpt=s.stride(0),
                 stride_lps=s.stride(1), stride_lbl=b.stride(0), stride_lbn=b.stride(1), R=rank,
                 NUM_SEG=len(lora.segments), SPLITS=s.shape[1],
-                BLOCK_R=triton.next_power_of_2(rank), EARLY_ROWS=lora.fresh)
+                BLOCK_R=triton.next_power_of_2(rank))
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,20 +179,23 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora: LoRADelta, config: tuple[int, ...], out: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``skinny.skinny_linear`` with ``lora``'s delta folded in (``ref.lora_linear``)."""
+                scale: torch.Tensor | None = None, silu_pairs: bool = False) -> torch.Tensor:
+    """``skinny.skinny_linear`` with ``lora``'s delta folded in (``ref.lora_linear``);
+    ``silu_pairs``: ``weight`` is ``[gate | up]`` and the result ``silu_and_mul`` of that."""
     return _launch(skinny.PROLOGUE_PLAIN, x, weight, bias, lora, config, out=out,
-                   scale=scale)[0]
+                   scale=scale, silu_pairs=silu_pairs)[0]
 
 
 def lora_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                      eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
                      lora: LoRADelta, config: tuple[int, ...],
-                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, silu_pairs: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``skinny.skinny_norm_linear`` with ``lora``'s delta folded in; returns
-    ``(y, new_residual)``."""
+    ``(y, new_residual)``. ``silu_pairs``: as for :func:`lora_linear`."""
     y, new_res = _launch(skinny.PROLOGUE_NORM, x, weight, bias, lora, config,
-                         residual=residual, norm_weight=norm_weight, eps=eps, scale=scale)
+                         residual=residual, norm_weight=norm_weight, eps=eps, scale=scale,
+                         silu_pairs=silu_pairs)
     return y, (x if new_res is None else new_res)
 
 

@@ -13,12 +13,12 @@ reallocated (graphs bake their addresses in):
   and padding. The model runner writes it before every step (``set_step``); the layers read
   its first ``T`` entries, so every graph tier reads the same tensor.
 
-Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that runs the shrink of
-its group before the projection, from the projection's raw input (the base projection keeps
-its fused RMSNorm / SiLU·mul prologue; the shrink computes its own), and returns the delta
-(``kernels.ref.LoRADelta``) that the projection op adds: ``kernels.lora.lora_shrink`` on
-CUDA, ``kernels.ref.lora_shrink`` elsewhere; the projection ops (``kernels.ops`` /
-``kernels.ref``) fold the delta into their epilogue or add it after them.
+Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that returns a group's
+adapters for the step (``kernels.ref.LoRAGroup``: that layer's ``a`` and ``b``, the ranks,
+scales and token slots) for the projection op, which launches the shrink right before the
+projection (``kernels.lora.lora_shrink`` on CUDA, ``kernels.ref.lora_shrink`` elsewhere)
+and folds the delta into its epilogue or adds it after it (``kernels.ops`` /
+``kernels.ref``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from replaylm.kernels import ref
-from replaylm.kernels.ref import LoRADelta
+from replaylm.kernels.ref import LoRAGroup
 from replaylm.lora.peft import GROUP_NAMES, HostAdapter, groups
 from replaylm.model.config import ModelConfig
 
@@ -109,34 +109,23 @@ class LoRASlots:
         self.token_slots[:width].copy_(stage[:width], non_blocking=True)
         self._dirty = num
 
-    def shrink(self, layer: int, group: str, x: torch.Tensor,
-               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, silu: bool = False) -> LoRADelta:
-        """Each row's adapter delta for ``group`` of ``layer``, shrunk, for the projection op
-        to add. ``x``: the projection's raw input rows, from which the shrink computes the
-        adapters' input: RMSNorm with ``norm_weight`` and ``eps`` of ``x + residual`` (the
-        new residual of qkv and gate_up; ``x`` alone when ``residual`` is None), SiLU·mul of
-        ``gate_up`` with ``silu`` (down), else ``x`` itself."""
-        g = self.groups[group]
-        tokens = self.token_slots[: x.shape[0]]
-        ranks = self.ranks[self._index[group], layer]
-        k = ref
-        if x.is_cuda:
-            from replaylm.kernels import lora as k
-        s = k.lora_shrink(x, self.a[group][layer], tokens, ranks, len(g.segments), norm_weight,
-                          eps, silu, residual)
-        return LoRADelta(s, self.b[group][layer], tokens, ranks, self.scales, g.segments,
-                         fresh=x.is_cuda)
+    def group(self, layer: int, name: str) -> LoRAGroup:
+        """Group ``name``'s adapters in ``layer`` for the step, for the projection op."""
+        g = self.groups[name]
+        shrink_op = ref.lora_shrink
+        if self.device.type == "cuda":
+            from replaylm.kernels.lora import lora_shrink as shrink_op
+        return LoRAGroup(self.a[name][layer], self.b[name][layer], self.token_slots,
+                         self.ranks[self._index[name], layer], self.scales, g.segments,
+                         shrink_op)
 
 
 class LayerLoRA:
-    """A decoder layer's LoRA hook: ``hook(group, x, residual, ...)`` returns the delta of
-    every row's adapter for the projection op (``LoRASlots.shrink``, same arguments)."""
+    """A decoder layer's LoRA hook: ``hook(group)`` is that group's adapters for the step
+    (``LoRASlots.group``)."""
 
     def __init__(self, slots: LoRASlots, layer: int) -> None:
         self.slots, self.layer = slots, layer
 
-    def __call__(self, group: str, x: torch.Tensor, residual: torch.Tensor | None = None,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 silu: bool = False) -> LoRADelta:
-        return self.slots.shrink(self.layer, group, x, residual, norm_weight, eps, silu)
+    def __call__(self, group: str) -> LoRAGroup:
+        return self.slots.group(self.layer, group)

@@ -27,17 +27,15 @@ from torch import nn
 from replaylm.attention.backend import AttentionBackend
 from replaylm.batch import AttentionMetadata
 from replaylm.kernels import ref
-from replaylm.kernels.ref import LoRADelta
+from replaylm.kernels.ref import LoRAGroup
 from replaylm.model.config import ModelConfig, rope_cos_sin
 from replaylm.model.moe import SparseMoe
 from replaylm.model.parallel import DataParallelAttention, TensorParallel
 from replaylm.model.quant import Linear
 
 
-def no_lora(group: str, x: torch.Tensor, residual: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            silu: bool = False) -> LoRADelta | None:
-    """The LoRA hook of a model without adapters (``DecoderLayer.lora``): no delta."""
+def no_lora(group: str) -> LoRAGroup | None:
+    """The LoRA hook of a model without adapters (``DecoderLayer.lora``): none."""
     return None
 
 
@@ -74,11 +72,9 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.kernels = None  # replaylm.kernels.ops on CUDA (see CausalLM.use_fused_kernels)
-        # ``replaylm.lora``'s hook: ``lora(group, x, residual, ...)`` shrinks the adapters'
-        # delta of a projection group (qkv, o, gate_up, down) from its raw input rows: ``x +
-        # residual`` normed (with the norm weight and eps), gate_up (``silu=True``) or the
-        # attention output; the projection op adds it (``lora=``) and keeps its fused
-        # prologue either way.
+        # ``replaylm.lora``'s hook: ``lora(group)`` is a projection group's adapters (qkv, o,
+        # gate_up, down) for the step; the projection op (``lora=``) shrinks the rows it
+        # reads and adds their delta, keeping its fused prologue either way.
         self.lora = no_lora
 
     def before(
@@ -97,10 +93,9 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         k = self.kernels or ref
         norm_weight = self.input_layernorm.weight
-        lora = self.lora("qkv", hidden, residual, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
         qkv, residual = k.norm_linear(hidden, residual, norm_weight, cfg.rms_norm_eps,
                                       self.qkv_proj.weight, self.qkv_proj.bias,
-                                      scale=self.qkv_proj.weight_scale, lora=lora)
+                                      scale=self.qkv_proj.weight_scale, lora=self.lora("qkv"))
         if defer_rope:
             return qkv, residual
         q, key, v = ref.split_qkv(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -121,7 +116,7 @@ class DecoderLayer(nn.Module):
         k = self.kernels or ref
         attn_rows = attn_out.flatten(1)
         hidden = k.linear(attn_rows, self.o_proj.weight, self.o_proj.bias,
-                          scale=self.o_proj.weight_scale, lora=self.lora("o", attn_rows))
+                          scale=self.o_proj.weight_scale, lora=self.lora("o"))
         if self.tp is not None:
             hidden = self.tp.all_reduce(hidden)
         norm_weight, eps = self.post_attention_layernorm.weight, self.cfg.rms_norm_eps
@@ -135,31 +130,25 @@ class DecoderLayer(nn.Module):
             gate_up = k.linear(rows, self.gate_up_proj.weight, self.gate_up_proj.bias,
                                scale=self.gate_up_proj.weight_scale)
             return self.dp.scatter_sum(self._down(gate_up, k)), residual
-        lora = self.lora("gate_up", hidden, residual, norm_weight=norm_weight, eps=eps)
-        if lora is None:
-            # Without adapters SiLU·mul runs in gate_up's epilogue where the kernels can (its
-            # rows are not needed otherwise), and down_proj is a plain projection.
-            act, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          scale=self.gate_up_proj.weight_scale, silu_out=True)
-            down = self.down_proj
-            out = k.linear(act, down.weight, down.bias, scale=down.weight_scale)
-        else:
-            gate_up, residual = k.norm_linear(hidden, residual, norm_weight, eps,
-                                              self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                              scale=self.gate_up_proj.weight_scale, lora=lora)
-            # The adapters compute SiLU·mul of gate_up themselves.
-            out = self._down(gate_up, k, self.lora("down", gate_up, silu=True))
+        # SiLU·mul runs in gate_up's epilogue where the kernels can (its rows are not needed
+        # otherwise: the adapters of down shrink the activated rows), and down_proj is a
+        # plain projection.
+        act, residual = k.norm_linear(hidden, residual, norm_weight, eps,
+                                      self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                      scale=self.gate_up_proj.weight_scale,
+                                      lora=self.lora("gate_up"), silu_out=True)
+        down = self.down_proj
+        out = k.linear(act, down.weight, down.bias, scale=down.weight_scale,
+                       lora=self.lora("down"))
         return (out if self.tp is None else self.tp.all_reduce(out)), residual
 
-    def _down(self, gate_up: torch.Tensor, k, lora: LoRADelta | None = None) -> torch.Tensor:
-        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)
-        with the adapters' delta ``lora``."""
+    def _down(self, gate_up: torch.Tensor, k) -> torch.Tensor:
+        """SiLU·mul and down_proj (its bias, when any, on one rank only under parallelism)."""
         down = self.down_proj
         if down.bias is None:
-            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale, lora=lora)
+            return k.silu_linear(gate_up, down.weight, scale=down.weight_scale)
         return k.linear(k.silu_and_mul(gate_up), down.weight, down.bias,
-                        scale=down.weight_scale, lora=ref.launched_after(lora))
+                        scale=down.weight_scale)
 
 
 class CausalLM(nn.Module):

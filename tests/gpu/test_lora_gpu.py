@@ -169,8 +169,7 @@ def test_folded_projection_bf16(group, rows):
 
     tokens = torch.tensor([3, -1, 2][:rows], dtype=torch.int32, device=DEV)
     got, plain = project(tokens, True), project(tokens, False)
-    s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
-    delta = ref.LoRADelta(s_ref, b, tokens, ranks, scales, segments)
+    delta = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, ref.lora_shrink)
     if prologue == "norm":
         want = ref.norm_linear(x, res, nw, 1e-5, w, lora=delta)[0]
     elif prologue == "silu":

@@ -87,10 +87,9 @@ def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
     parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
     lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
     got, got_res = _run(_Folded(kernels.skinny_lora), prologue, x, w, bias, args, lora, config)
-    # The reference from the torch shrink (rows in the model dtype, no partial sums).
-    s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+    # The reference shrinks with the torch rule (rows in the model dtype, no partial sums).
     want, want_res = _run(ref, prologue, x, w, bias, args,
-                          ref.LoRADelta(s_ref, b, tokens, ranks, scales, segments))
+                          ref.LoRAGroup(a, b, tokens, ranks, scales, segments, ref.lora_shrink))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # Rows without an adapter are the plain skinny kernel's, to the bit; the new residual too.
     skinny = kernels.skinny
@@ -118,19 +117,36 @@ def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
                                    atol=1e-4)
 
 
-@pytest.mark.parametrize("prologue", ["plain", "norm", "silu"])
-def test_folded_projection_right_after_its_shrink(kernels, prologue):
-    """A delta whose shrink was the last launch (``fresh``) runs the variant that forms the
-    sums before its wait (``EARLY_ROWS``): the same arithmetic, so the same bits."""
-    x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
-        _case(prologue, 3, "live", seed=3)
-    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
-    folded = _Folded(kernels.skinny_lora)
-    got = [_run(folded, prologue, x, w, bias, args,
-                ref.LoRADelta(parts, b, tokens, ranks, scales, segments, fresh=fresh), config)
-           for fresh in (False, True)]
-    assert torch.equal(got[0][0], got[1][0])
-    assert (got[0][1] is None and got[1][1] is None) or torch.equal(got[0][1], got[1][1])
+@pytest.mark.parametrize("rows,inter,tile", [(1, 12, (16, 64, 4)), (3, 16, (8, 16, 4))])
+@pytest.mark.parametrize("prologue", ["plain", "norm"])
+def test_folded_projection_with_silu_pairs(kernels, prologue, rows, inter, tile):
+    """gate_up with its delta folded and SiLU·mul of each paired gate and up row in the
+    epilogue: bit for bit ``silu_and_mul`` of the folded projection (I not a multiple of the
+    half strip in the first case: its last strip is partly masked)."""
+    g = torch.Generator().manual_seed(rows * 10 + inter)
+    k, segments = 64, (inter, inter)
+    a, b, ranks, scales = _adapters(k, segments, g)
+    tokens = torch.tensor([1, 0, -1][:rows], dtype=torch.int32)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(2 * inter, k, generator=g) * 0.3
+    bias = torch.randn(2 * inter, generator=g) if prologue == "plain" else None
+    config = (max(1, 1 << (rows - 1).bit_length()), *tile)
+    norm = ({"residual": torch.randn(rows, k, generator=g),
+             "norm_weight": torch.rand(k, generator=g) + 0.5, "eps": 1e-5}
+            if prologue == "norm" else {})
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **norm)
+    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    folded = kernels.skinny_lora
+    if prologue == "norm":
+        nargs = (norm["residual"], norm["norm_weight"], norm["eps"])
+        y, want_res = folded.lora_norm_linear(x, *nargs, w, bias, delta, config)
+        got, got_res = folded.lora_norm_linear(x, *nargs, w, bias, delta, config,
+                                               silu_pairs=True)
+        assert torch.equal(got_res, want_res)
+    else:
+        y = folded.lora_linear(x, w, bias, delta, config)
+        got = folded.lora_linear(x, w, bias, delta, config, silu_pairs=True)
+    assert got.shape == (rows, inter)
+    assert torch.equal(got, kernels.elementwise.silu_and_mul(y))
 
 
 def test_padding_rows(kernels):
@@ -144,8 +160,8 @@ def test_padding_rows(kernels):
     got = kernels.skinny_lora.lora_linear(x, w, bias, lora, config)
     plain = kernels.skinny.skinny_linear(x, w, bias, config=config)
     assert torch.equal(got[2].isnan(), plain[2].isnan())
-    want = ref.linear(x[:2], w, bias, lora=ref.LoRADelta(parts[:2], b, tokens[:2], ranks,
-                                                         scales, segments))
+    want = ref.lora_linear(x[:2], w, bias, ref.LoRADelta(parts[:2], b, tokens[:2], ranks,
+                                                          scales, segments))
     torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-4)
 
 
@@ -164,14 +180,13 @@ def test_ops_fold_only_whole_k_tiles(kernels, monkeypatch, decision):
     real = kernels.skinny_lora._launch
     monkeypatch.setattr(kernels.skinny_lora, "_launch",
                         lambda *p, **kw: launched.append(1) or real(*p, **kw))
-    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
-    lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    group = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink)
     got, new_res = ops.norm_linear(x, args["residual"], args["norm_weight"], args["eps"], w,
-                                   bias, lora=lora)
+                                   bias, lora=group)
     assert bool(launched) == (decision == "whole")
     if decision == "whole":
         want, _ = ref.norm_linear(x, args["residual"], args["norm_weight"], args["eps"], w,
-                                  bias, lora=lora)
+                                  bias, lora=group)
     else:
         y, _ = ref.norm_linear(x, args["residual"], args["norm_weight"], args["eps"], w, bias)
         s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)

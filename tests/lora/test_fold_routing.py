@@ -1,7 +1,7 @@
-"""Where ``kernels.ops`` adds a LoRA delta at a few rows, for each tuner decision: the fused
-prologue's whole-K tile folds it into that launch, right after the shrink (``fresh``);
-where the separate norm or SiLU·mul won, the plain projection after it folds it, no longer
-fresh; a split-K tile adds it with ``lora_expand``.
+"""Where ``kernels.ops`` shrinks and adds a LoRA delta at a few rows, for each tuner decision:
+the shrink is launched right before the projection, from the rows it reads (the raw input
+with a fused prologue, else the rows the separate norm or SiLU·mul made); a whole-K tile
+folds the delta into the projection's launch, a split-K tile adds it with ``lora_expand``.
 
 The CUDA-only pieces (the few-row check, the tuner, the kernels) are replaced by recorders,
 so this runs on the CPU; the kernels themselves are tested in ``tests/kernels`` and on the
@@ -25,17 +25,16 @@ def calls(monkeypatch):
     decisions: dict[str, tuple[int, ...] | None] = {}
 
     def record(name):
-        def fn(x, *args, **kw):
-            deltas = [a for a in (*args, *kw.values()) if isinstance(a, ref.LoRADelta)]
-            # "fresh": the delta's shrink was the last launch before this one.
-            made.append(name + (" (fresh)" if deltas and deltas[0].fresh else ""))
+        def fn(x, *args, silu_pairs=False, **kw):
+            made.append(name + (" + SiLU pairs" if silu_pairs else ""))
             return torch.zeros(x.shape[0], 8)
         return fn
 
     monkeypatch.setattr(ops, "_few_rows", lambda x: True)
     monkeypatch.setattr(ops.tuner, "choose", lambda key, *a, **kw: decisions[key[0]])
-    monkeypatch.setattr(ops, "add_rms_norm", lambda x, r, w, eps: (x, x))
-    monkeypatch.setattr(ops, "silu_and_mul", lambda gu: gu[:, : gu.shape[1] // 2])
+    monkeypatch.setattr(ops, "add_rms_norm", lambda x, r, w, eps: made.append("norm") or (x, x))
+    monkeypatch.setattr(ops, "silu_and_mul",
+                        lambda gu: made.append("silu") or gu[:, : gu.shape[1] // 2])
     monkeypatch.setattr(skinny, "skinny_linear", record("projection"))
     monkeypatch.setattr(skinny, "skinny_norm_linear",
                         lambda x, *a, **kw: (record("norm projection")(x, *a, **kw), x))
@@ -49,42 +48,64 @@ def calls(monkeypatch):
     return made, decisions
 
 
-def _delta() -> ref.LoRADelta:
-    """A delta as ``LoRASlots.shrink`` returns it on CUDA: its shrink was the last launch."""
-    return ref.LoRADelta(s=torch.zeros(2, 1, 4), b=torch.zeros(1, 8, 4),
-                         slots=torch.zeros(2, dtype=torch.long), ranks=torch.ones(1),
-                         scales=torch.ones(1), segments=(8,), fresh=True)
+def _group(made: list[str]) -> ref.LoRAGroup:
+    """Adapters whose shrink records which prologue it computes."""
+
+    def shrink_op(x, a, slots, ranks, num_segments, norm_weight, eps, silu, residual):
+        made.append("shrink" + (" (norm)" if norm_weight is not None else "")
+                    + (" (silu)" if silu else ""))
+        return torch.zeros(x.shape[0], 1, 4)
+
+    return ref.LoRAGroup(a=torch.zeros(1, 4, 16), b=torch.zeros(1, 8, 4),
+                         slots=torch.zeros(4, dtype=torch.long), ranks=torch.ones(1),
+                         scales=torch.ones(1), segments=(8,), shrink_op=shrink_op)
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["norm projection + delta (fresh)"]),
-    (None, WHOLE_K, ["projection + delta"]),
-    (None, SPLIT_K, ["projection", "expand"]),
-    (SPLIT_K, WHOLE_K, ["norm projection", "expand"]),
+    (WHOLE_K, WHOLE_K, ["shrink (norm)", "norm projection + delta"]),
+    (None, WHOLE_K, ["norm", "shrink", "projection + delta"]),
+    (None, SPLIT_K, ["norm", "shrink", "projection", "expand"]),
+    (SPLIT_K, WHOLE_K, ["shrink (norm)", "norm projection", "expand"]),
 ])
-def test_norm_linear_adds_the_delta_once_where_it_can_fold(calls, prologue, plain, want):
+def test_norm_linear_shrinks_right_before_the_projection(calls, prologue, plain, want):
     made, decisions = calls
     decisions.update({"norm": prologue, "plain": plain})
     x, w, nw = torch.zeros(2, 16), torch.zeros(8, 16), torch.ones(16)
-    ops.norm_linear(x, x, nw, 1e-6, w, lora=_delta())
+    ops.norm_linear(x, x, nw, 1e-6, w, lora=_group(made))
     assert made == want
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["silu projection + delta (fresh)"]),
-    (None, WHOLE_K, ["projection + delta"]),
-    (None, SPLIT_K, ["projection", "expand"]),
+    (WHOLE_K, WHOLE_K, ["shrink (norm)", "norm projection + delta + SiLU pairs"]),
+    (None, WHOLE_K, ["norm", "shrink", "projection + delta + SiLU pairs"]),
+    (None, SPLIT_K, ["norm", "shrink", "projection", "expand", "silu"]),
+    (SPLIT_K, WHOLE_K, ["shrink (norm)", "norm projection", "expand", "silu"]),
 ])
-def test_silu_linear_adds_the_delta_once_where_it_can_fold(calls, prologue, plain, want):
+def test_gate_up_with_adapters_keeps_silu_in_its_epilogue(calls, prologue, plain, want):
+    """SiLU·mul after the delta: in the folded projection's epilogue where the tile is
+    whole-K, else a launch after the expand."""
     made, decisions = calls
-    decisions.update({"silu": prologue, "plain": plain})
-    ops.silu_linear(torch.zeros(2, 32), torch.zeros(8, 16), lora=_delta())
+    decisions.update({"norm": prologue, "plain": plain})
+    x, w, nw = torch.zeros(2, 16), torch.zeros(8, 16), torch.ones(16)
+    ops.norm_linear(x, x, nw, 1e-6, w, lora=_group(made), silu_out=True)
     assert made == want
 
 
-def test_without_a_delta_nothing_is_added(calls):
+@pytest.mark.parametrize("prologue,plain,want", [
+    (WHOLE_K, WHOLE_K, ["shrink (silu)", "silu projection + delta"]),
+    (None, WHOLE_K, ["silu", "shrink", "projection + delta"]),
+    (None, SPLIT_K, ["silu", "shrink", "projection", "expand"]),
+])
+def test_silu_linear_shrinks_right_before_the_projection(calls, prologue, plain, want):
+    made, decisions = calls
+    decisions.update({"silu": prologue, "plain": plain})
+    ops.silu_linear(torch.zeros(2, 32), torch.zeros(8, 16), lora=_group(made))
+    assert made == want
+
+
+def test_without_adapters_nothing_is_added(calls):
     made, decisions = calls
     decisions.update({"norm": None, "plain": WHOLE_K})
     x = torch.zeros(2, 16)
     ops.norm_linear(x, x, torch.ones(16), 1e-6, torch.zeros(8, 16))
-    assert made == ["projection"]
+    assert made == ["norm", "projection"]
