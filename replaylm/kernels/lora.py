@@ -25,6 +25,10 @@ ops (``ref.lora_input``).
   At a few rows ``kernels.ops`` instead folds this half into the skinny projection's
   epilogue (``kernels.skinny_lora``), where the projection runs a whole-K skinny tile.
 
+Above ``GROUPED_ABOVE`` rows both take ``kernels.lora_grouped``'s kernels instead (the shrink
+where its rows are plain, as they are there): a program per slot reads its ``A`` or ``B``
+tile once for all of that slot's rows, with the same layouts and roundings.
+
 :func:`lora_add` is the two launches in turn. A row whose slot is -1 (a base-model request,
 or padding) or whose slot is empty (rank 0) reads no weight and its output row is left as it
 is, to the bit. Slot, rank and scale are read on the device, so one captured graph serves
@@ -40,7 +44,9 @@ import triton
 import triton.language as tl
 
 from replaylm.kernels import pdl
+from replaylm.kernels.lora_grouped import grouped_expand, grouped_shrink
 from replaylm.kernels.pdl import release_after_wait, wait_for_previous
+from replaylm.kernels.skinny import MAX_M
 
 #: K ranges the shrink aims for per row and segment (``shrink_split``). The expand and the
 #: folded projection add every range's partial sums, in registers, so fewer ranges cost them
@@ -51,6 +57,10 @@ SHRINK_RANGES = 4
 SHRINK_TILE = 8192
 #: What a kernel computes from its raw input before the shrink (``ref.lora_input``).
 PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+#: Above this many rows (where the projections run unfused) the shrink of plain rows and the
+#: expand group the rows by slot (``kernels.lora_grouped``): each adapter tile is read once
+#: per slot, not once per row.
+GROUPED_ABOVE = MAX_M
 
 
 @triton.jit
@@ -240,6 +250,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     rank = width // num_segments
     range_k = shrink_split(in_dim, rank)
     splits = triton.cdiv(in_dim, range_k)
+    if t > GROUPED_ABOVE and prologue == PROLOGUE_PLAIN:
+        return grouped_shrink(x, a, slots, ranks, num_segments, range_k)
     out = torch.empty(t, splits, width, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
@@ -268,6 +280,8 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
     assert y.stride(1) == 1 and s.stride(2) == 1 and b.stride(2) == 1
     seg1, seg2 = segment_bounds(segments, out_dim)
     rank = b.shape[2]
+    if t > GROUPED_ABOVE:
+        return grouped_expand(y, s, b, slots, ranks, scales, len(segments), seg1, seg2)
     if t == 0:
         return y
     block_n = min(128, triton.next_power_of_2(out_dim))

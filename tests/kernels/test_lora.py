@@ -142,3 +142,55 @@ def test_lora_add_refuses_bad_input(kernels):
     with pytest.raises(ValueError, match="not both"):
         kernels.lora.lora_add(y, x, a, b, tokens, ranks, scales, (8,),
                               norm_weight=torch.ones(16), silu=True)
+
+
+@pytest.mark.parametrize("segments,in_dim,max_rank", [((32, 16, 16), 48, 16),
+                                                      ((20, 20), 300, 4), ((130,), 64, 8)])
+def test_grouped_kernels_above_the_skinny_rows(kernels, monkeypatch, segments, in_dim,
+                                                max_rank):
+    """Above ``GROUPED_ABOVE`` rows the shrink (plain rows) and the expand group rows by
+    slot: 40 rows of three slots (one empty), base rows and a NaN padding row, in blocks of
+    16 (the last partly filled); segments across column blocks (130 columns: two blocks).
+    Against the references and the per-row kernels, and the rows of no adapter untouched,
+    to the bit."""
+    lora = kernels.lora
+    _, _, a, b, _, ranks, scales = _slots_case(segments, in_dim, max_rank, in_dim)
+    g = torch.Generator().manual_seed(in_dim)
+    t = 40
+    x = torch.randn(t, in_dim, generator=g)
+    y = torch.randn(t, sum(segments), generator=g)
+    tokens = torch.randint(-1, 3, (t,), generator=g, dtype=torch.int32)
+    tokens[:4] = torch.tensor([0, 1, 2, -1], dtype=torch.int32)
+    tokens[-1] = -1
+    x[-1] = float("nan")
+    live = (tokens >= 0) & (tokens != 2)
+
+    def run():
+        s = lora.lora_shrink(x, a, tokens, ranks, len(segments))
+        return s, lora.lora_expand(y.clone(), s, b, tokens, ranks, scales, segments)
+
+    launched = []
+    for name in ("grouped_shrink", "grouped_expand"):
+        real = getattr(lora, name)
+        monkeypatch.setattr(lora, name,
+                            lambda *p, _real=real, _n=name, **kw: launched.append(_n)
+                            or _real(*p, **kw))
+    assert t > lora.GROUPED_ABOVE
+    s, got = run()
+    assert launched == ["grouped_shrink", "grouped_expand"]
+    s_ref = ref.lora_shrink(x, a, tokens, ranks, len(segments))
+    want = ref.lora_expand(y.clone(), s_ref, b, tokens, ranks, scales, segments)
+    torch.testing.assert_close(got[live], want[live], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[~live], y[~live])
+    # The per-row kernels on the same rows: the same partial sums and outputs, up to the
+    # order in which the products are summed.
+    monkeypatch.setattr(lora, "GROUPED_ABOVE", t)
+    s_rows, got_rows = run()
+    for slot in (0, 1):
+        rows = tokens == slot
+        r = int(ranks[slot])
+        for j in range(len(segments)):
+            cols = slice(j * max_rank, j * max_rank + r)
+            torch.testing.assert_close(s[rows][..., cols], s_rows[rows][..., cols],
+                                       rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, got_rows, rtol=1e-5, atol=1e-5)
