@@ -128,6 +128,33 @@ def test_lora_add_with_prologues_bf16(group, max_rank, rows):
 FOLD_CASES = [("1b-qkv", 1), ("1b-o", 1), ("1b-down", 1), ("1b-gate_up", 3)]
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_folded_gate_up_with_silu_pairs_bf16(rows):
+    """gate_up with its delta folded and SiLU·mul of its paired rows in the epilogue, at the
+    1B's shape in bf16: bit for bit ``silu_and_mul`` of the folded projection."""
+    from replaylm.kernels import elementwise, lora, skinny, skinny_lora
+
+    segments, in_dim, _ = GROUP_SHAPES["1b-gate_up"]
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    bf16, rank, n = torch.bfloat16, 16, sum(segments)
+    a = torch.randn(4, 2 * rank, in_dim, device=DEV, generator=g, dtype=bf16) * in_dim**-0.5
+    b = torch.randn(4, n, rank, device=DEV, generator=g, dtype=bf16) * 0.1
+    ranks = torch.tensor([rank, rank, 0, rank], dtype=torch.int32, device=DEV)
+    scales = torch.tensor([2.0, 0.5, 1.0, 1.0], device=DEV)
+    w = torch.randn(n, in_dim, device=DEV, generator=g, dtype=bf16) * in_dim**-0.5
+    x = torch.randn(rows, in_dim, device=DEV, generator=g, dtype=bf16)
+    res = torch.randn(rows, in_dim, device=DEV, generator=g, dtype=bf16)
+    nw = torch.rand(in_dim, device=DEV, generator=g).to(bf16) + 0.5
+    tokens = torch.tensor([3, -1, 2][:rows], dtype=torch.int32, device=DEV)
+    config = skinny.pick_config(rows, n, in_dim)
+    parts = lora.lora_shrink(x, a, tokens, ranks, 2, norm_weight=nw, eps=1e-5, residual=res)
+    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    y, _ = skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config)
+    got, _ = skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config,
+                                          silu_pairs=True)
+    assert torch.equal(got, elementwise.silu_and_mul(y))
+
+
 @pytest.mark.parametrize("group,rows", FOLD_CASES)
 def test_folded_projection_bf16(group, rows):
     """The skinny projection with its LoRA epilogue (``kernels.skinny_lora``) against the
