@@ -83,7 +83,8 @@ def kernels():
                           step_inputs=by_name["step_inputs"], moe=by_name["moe"],
                           moe_align=by_name["moe_align"],
                           moe_decode=by_name["moe_decode"], moe_route=by_name["moe_route"],
-                          lora=by_name["lora"], skinny_lora=by_name["skinny_lora"],
+                          lora=by_name["lora"], lora_grouped=by_name["lora_grouped"],
+                          skinny_lora=by_name["skinny_lora"],
                           sample=by_name["sample"],
                           backend=TritonAttentionBackend())
     undo_shim()

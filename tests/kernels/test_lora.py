@@ -144,16 +144,19 @@ def test_lora_add_refuses_bad_input(kernels):
                               norm_weight=torch.ones(16), silu=True)
 
 
+@pytest.mark.parametrize("row_programs", [16, 2])
 @pytest.mark.parametrize("segments,in_dim,max_rank", [((32, 16, 16), 48, 16),
                                                       ((20, 20), 300, 4), ((130,), 64, 8)])
 def test_grouped_kernels_above_the_skinny_rows(kernels, monkeypatch, segments, in_dim,
-                                                max_rank):
+                                                max_rank, row_programs):
     """Above ``GROUPED_ABOVE`` rows the shrink (plain rows) and the expand group rows by
     slot: 40 rows of three slots (one empty), base rows and a NaN padding row, in blocks of
     16 (the last partly filled); segments across column blocks (130 columns: two blocks).
-    Against the references and the per-row kernels, and the rows of no adapter untouched,
-    to the bit."""
+    A program per row block, or (``MAX_ROW_PROGRAMS`` 2) two blocks in turn per program,
+    the last one past the rows. Against the references and the per-row kernels, and the
+    rows of no adapter untouched, to the bit."""
     lora = kernels.lora
+    monkeypatch.setattr(kernels.lora_grouped, "MAX_ROW_PROGRAMS", row_programs)
     _, _, a, b, _, ranks, scales = _slots_case(segments, in_dim, max_rank, in_dim)
     g = torch.Generator().manual_seed(in_dim)
     t = 40
