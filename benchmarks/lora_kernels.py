@@ -6,7 +6,9 @@ Two tables, every figure the device µs of one layer's call, replayed from a CUD
 cycles through the layers' slot buffers (as a decode step reads each layer's adapters once),
 with every row on an adapter (4 slots, round robin) or every row a base-model row (slot -1).
 Each group's input rows go through its prologue (RMSNorm of the residual add for qkv and
-gate_up), as in the model; down's input is the activated rows gate_up's epilogue stored.
+gate_up) up to ``lora.GROUPED_ABOVE`` rows, as in the model; above, where the model's
+separate norm has made them, they are plain. down's input is the activated rows gate_up's
+epilogue stored.
 
 - ``lora_add`` per group and row count (``--rows``): the shrink over K ranges, then the
   expand (the path above the skinny kernel's rows), and the shrink's K ranges per row.
@@ -60,7 +62,7 @@ def time_group(slots: LoRASlots, group: str, rows: int, on_adapters: bool,
     x = torch.randn(rows, g.in_dim, device=dev, dtype=torch.bfloat16)
     y = torch.zeros(rows, g.out_dim, device=dev, dtype=torch.bfloat16)
     kw: dict = {}
-    if group in ("qkv", "gate_up"):
+    if group in ("qkv", "gate_up") and rows <= lora.GROUPED_ABOVE:
         kw = {"norm_weight": torch.ones(g.in_dim, device=dev, dtype=torch.bfloat16),
               "eps": 1e-5}
     tokens = (torch.arange(rows, device=dev, dtype=torch.int32) % slots.max_loras
