@@ -37,6 +37,17 @@ def _complete(url: str) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=GREEDY, timeout=60)
 
 
+def _admin_counts(url: str) -> dict[str, float]:
+    """``/metrics``' admin action counters by action (each test reads its own increments:
+    the module's tests share one server and may run in any order, or alone)."""
+    counts = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("replaylm_admin_actions_total{"):
+            action = line.split('action="', 1)[1].split('"', 1)[0]
+            counts[action] = float(line.split()[-1])
+    return counts
+
+
 def test_admin_routes_do_not_exist_without_a_key(admin_server):
     client = TestClient(build_app(admin_server.core))  # no lifespan: routing alone
     for method, path in (("post", "/admin/sleep"), ("post", "/admin/wake_up"),
@@ -80,6 +91,7 @@ def test_sleep_refuses_requests_until_wake_and_outputs_come_back(admin_server):
 
 def test_level2_sleep_then_update_weights_through_the_route(admin_server):
     url = admin_server.url
+    before = _admin_counts(url)
     text = _complete(url).json()["choices"][0]["text"]
     cfg, model_dir = load_model_config("default")
     weights = str(resolve_weights_dir(model_dir, cfg, "auto"))  # the weights it loaded
@@ -99,10 +111,17 @@ def test_level2_sleep_then_update_weights_through_the_route(admin_server):
     r = httpx.post(url + "/admin/reset_prefix_cache", headers=AUTH)
     assert r.status_code == 200 and "blocks_freed" in r.json()["result"]
     admin_server.wait_idle()
+    after = _admin_counts(url)
+    # Counted: the good sleep and update (a refused request is not an action).
+    assert after["update_weights"] - before.get("update_weights", 0.0) == 1.0
+    assert after["sleep"] - before.get("sleep", 0.0) == 1.0
+    metrics = httpx.get(url + "/metrics").text
+    assert 'replaylm_admin_seconds_total{action="update_weights"}' in metrics
 
 
 def test_sleep_past_the_drain_timeout_aborts_the_request_in_flight(admin_server):
     url = admin_server.url
+    before = _admin_counts(url)
     long = dict(GREEDY, max_tokens=400)
     got: dict = {}
 
@@ -122,9 +141,8 @@ def test_sleep_past_the_drain_timeout_aborts_the_request_in_flight(admin_server)
     assert _complete(url).status_code == 200
     admin_server.wait_idle()
     metrics = httpx.get(url + "/metrics").text
-    for action in ("sleep", "wake_up", "update_weights"):
-        assert f'replaylm_admin_actions_total{{action="{action}"}}' in metrics
+    for action in ("sleep", "wake_up"):
         assert f'replaylm_admin_seconds_total{{action="{action}"}}' in metrics
-    sleeps = [line for line in metrics.splitlines()
-              if line.startswith('replaylm_admin_actions_total{action="sleep"}')]
-    assert float(sleeps[0].split()[-1]) >= 3.0, sleeps
+    after = _admin_counts(url)
+    for action in ("sleep", "wake_up"):
+        assert after[action] - before.get(action, 0.0) == 1.0, (before, after)
