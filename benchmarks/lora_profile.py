@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 from replaylm import LLM, LoRARequest, SamplingParams
-from replaylm.bench.observer import observing
-from replaylm.bench.profile import StepProfiler, chain_share, summarize, top_kernels
+from replaylm.bench.profile import profile_run
 from replaylm.engine.loading import load_model_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,27 +55,15 @@ def main() -> None:
         reqs = [loras[j % a.adapters] if a.adapters else None for j in range(a.batch)]
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False, lora_request=reqs)
-        core = llm.engine
-        prof = StepProfiler(core.runner.device, core.runner.graphs.stats.nodes)
-        with observing(core, prof):
-            llm.generate(prompts, params, use_tqdm=False, lora_request=reqs)
-        samples = prof.finish()
-        print("first steps", [(s.mode, s.tokens, round(s.cpu_ms, 3), s.gpu_busy_ms)
-                              for s in samples[:3]])
-        print(a.model, a.batch, a.adapters, json.dumps(summarize(samples)))
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if not extra:
-            activities.append(ProfilerActivity.CUDA)
-        short = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-        with profile(activities=activities) as prof_trace:
-            llm.generate(prompts, short, use_tqdm=False, lora_request=reqs)
         trace = f"{a.out}/{a.model}_b{a.batch}_a{a.adapters}.json"
-        prof_trace.export_chrome_trace(trace)
-        for name, us, n in top_kernels(trace, 32 * a.batch, 14):
+        result = profile_run(llm, prompts, params, trace_path=trace, trace_tokens=32,
+                             lora_request=reqs)
+        print("first steps", [(s["mode"], s["tokens"], round(s["cpu_ms"], 3), s["gpu_busy_ms"])
+                              for s in result["steps"][:3]])
+        print(a.model, a.batch, a.adapters, json.dumps(result["summary"]))
+        for name, us, n in result["top_kernels_us_per_token"][:14]:
             print(f"  {us * a.batch:9.2f} us/step {n * a.batch:7.2f}x  {name}")
-        for name, us, n, gbs in chain_share(trace, 32 * a.batch, 14):
+        for name, us, n, gbs in result["chain_share_us_per_token"][:14]:
             print(f"  adds {us * a.batch:9.2f} us/step {n * a.batch:7.2f}x {gbs}  {name}")
 
 

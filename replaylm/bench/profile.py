@@ -128,12 +128,14 @@ def summarize(samples: list[StepSample], skip: int = 1) -> dict[str, Any]:
 
 
 def profile_run(llm: Any, prompts: list[list[int]], params: Any,
-                trace_path: str | None = None, trace_tokens: int = 64) -> dict[str, Any]:
-    """One ``generate`` under the step profiler; optionally a short traced one as well."""
+                trace_path: str | None = None, trace_tokens: int = 64,
+                **generate_kw: Any) -> dict[str, Any]:
+    """One ``generate`` under the step profiler; optionally a short traced one as well.
+    ``generate_kw``: more arguments of both ``generate`` calls (``lora_request``)."""
     core = llm.engine
     prof = StepProfiler(core.runner.device, core.runner.graphs.stats.nodes)
     with observing(core, prof):
-        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False, **generate_kw)
     samples = prof.finish()
     result = {"summary": summarize(samples), "steps": [dataclasses.asdict(s) for s in samples]}
     if trace_path is not None:
@@ -144,7 +146,7 @@ def profile_run(llm: Any, prompts: list[list[int]], params: Any,
         if core.runner.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         with observing(core, StepMarks()), profile(activities=activities) as p:
-            llm.generate(prompts, short, use_tqdm=False)
+            llm.generate(prompts, short, use_tqdm=False, **generate_kw)
         p.export_chrome_trace(trace_path)
         result["trace"] = trace_path
         timeline = trace_timeline(trace_path, str(llm.graph_mode))
