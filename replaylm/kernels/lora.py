@@ -6,13 +6,12 @@ static buffers (``replaylm.lora``): ``A`` ``[L, S*R, in]`` (``S`` output segment
 of a fused qkv — each with ``R`` rank rows, ``R`` = ``max_lora_rank``) and ``B``
 ``[L, out, R]``.
 
-The kernels compute ``u`` themselves from what the base projection reads (its *prologue*),
-so the base projection keeps its fused form (``kernels.skinny``'s RMSNorm and SiLU·mul
-prologues): ``PROLOGUE_NORM`` reads ``x + residual`` (the new residual, which the fused
-projection stores; the shrink runs before it) and applies RMSNorm with the layer's norm
-weight (qkv, gate_up); ``PROLOGUE_SILU`` reads ``gate_up`` and applies SiLU(gate)·up (down);
-``PROLOGUE_PLAIN`` reads ``u`` as it is (o_proj). The roundings are those of the separate
-ops (``ref.lora_input``).
+The shrink computes ``u`` itself from what the base projection reads (its *prologue*), so
+the base projection keeps its fused form (``kernels.skinny``'s RMSNorm prologue):
+``PROLOGUE_NORM`` reads ``x + residual`` (the new residual, which the fused projection
+stores; the shrink runs before it) and applies RMSNorm with the layer's norm weight (qkv,
+gate_up), with the roundings of the separate ops (``ref.lora_input``); ``PROLOGUE_PLAIN``
+reads ``u`` as it is (o and down, and qkv and gate_up after a separate norm).
 
 * :func:`lora_shrink` — program ``(t, segment, K range)`` computes the prologue of its range
   of row ``t``'s input (RMSNorm reads the whole row once for its ``1 / rms``) and that range's
@@ -56,7 +55,7 @@ SHRINK_RANGES = 4
 #: Most ``A`` elements one shrink program holds (rank rows x range width).
 SHRINK_TILE = 8192
 #: What a kernel computes from its raw input before the shrink (``ref.lora_input``).
-PROLOGUE_PLAIN, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+PROLOGUE_PLAIN, PROLOGUE_NORM = 0, 1
 #: Above this many rows (where the projections run unfused) the shrink of plain rows and the
 #: expand group the rows by slot (``kernels.lora_grouped``): each adapter tile is read once
 #: per slot, not once per row.
@@ -96,21 +95,15 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_
     rounded as the separate ops round (``ref.lora_input``); 0 outside ``row_ok``."""
     k_ok = k < in_dim
     ok = row_ok[:, None] & k_ok[None, :]
-    ptrs = x_ptr + rows[:, None] * stride_x + k[None, :]
     if PROLOGUE == 1:
         x = _norm_rows(x_ptr, r_ptr, rows, k, ok, stride_x, stride_r, HAS_RESIDUAL)
     else:
-        x = tl.load(ptrs, mask=ok, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=ok, other=0.0)
     dt = x.dtype
     if PROLOGUE == 1:  # RMSNorm: fp32, rounded, then times the weight (rounded again)
         w = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
         x = (x.to(tl.float32) * inv_rms[:, None]).to(dt)
         x = (x.to(tl.float32) * w[None, :]).to(dt)
-    elif PROLOGUE == 2:  # SiLU(gate) * up; the rows are gate | up, each in_dim wide
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        up = tl.load(ptrs + in_dim, mask=ok, other=0.0).to(tl.float32)
-        x = (act * up).to(dt)
     return tl.where(ok, x, 0.0).to(dt)
 
 
@@ -190,30 +183,17 @@ def _expand_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, out_di
         tl.store(y_ptr + row * stride_y + n, y + delta, mask=n_ok)
 
 
-def _in_dim(x: torch.Tensor, prologue: int) -> int:
-    return x.shape[1] // 2 if prologue == PROLOGUE_SILU else x.shape[1]
-
-
-def _check(x: torch.Tensor, a: torch.Tensor, prologue: int,
-           norm_weight: torch.Tensor | None, residual: torch.Tensor | None) -> int:
+def _check(x: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None,
+           residual: torch.Tensor | None) -> int:
     """The shrink's input width; checks the shapes the kernels rely on."""
-    in_dim = _in_dim(x, prologue)
+    in_dim = x.shape[1]
     if a.shape[2] != in_dim:
         raise ValueError(f"LoRA A is [.., {a.shape[2]}] wide but its input rows give {in_dim}")
     assert x.stride(1) == 1 and a.stride(2) == 1
-    assert (norm_weight is not None) == (prologue == PROLOGUE_NORM)
     assert residual is None or (norm_weight is not None and residual.shape == x.shape
                                 and residual.stride(1) == 1), "a residual goes with the norm"
     assert norm_weight is None or (norm_weight.shape == (in_dim,) and norm_weight.stride(0) == 1)
     return in_dim
-
-
-def _prologue(norm_weight: torch.Tensor | None, silu: bool) -> int:
-    if norm_weight is not None and silu:
-        raise ValueError("a LoRA prologue is RMSNorm or SiLU·mul, not both")
-    if norm_weight is not None:
-        return PROLOGUE_NORM
-    return PROLOGUE_SILU if silu else PROLOGUE_PLAIN
 
 
 def segment_bounds(segments: tuple[int, ...], out_dim: int) -> tuple[int, int]:
@@ -235,15 +215,15 @@ def shrink_split(in_dim: int, rank: int) -> int:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int = 1,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """``u[t] @ a[slots[t]]^T`` per row, ``u`` the prologue's rows of ``x`` (with the norm,
     of ``x + residual``: the new residual, which the projection after it stores), as fp32 partial
     sums ``[T, splits, S*R]`` over ``K`` ranges (their sum in range order is
     ``ref.lora_shrink`` before its rounding; :func:`lora_expand` takes them); one program
     per (row, output segment, range). Rows without an adapter, and rank rows past a slot's
     rank, are left unwritten (``lora_expand`` never reads them)."""
-    prologue = _prologue(norm_weight, silu)
-    in_dim = _check(x, a, prologue, norm_weight, residual)
+    prologue = PROLOGUE_PLAIN if norm_weight is None else PROLOGUE_NORM
+    in_dim = _check(x, a, norm_weight, residual)
     t = x.shape[0]
     width = a.shape[1]
     assert width % num_segments == 0
@@ -297,9 +277,8 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, silu: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` plus each row's adapter delta of the prologue's rows of ``x`` (``ref.lora_add``),
     in place; returns ``y``: :func:`lora_shrink` then :func:`lora_expand`."""
-    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu, residual)
+    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, residual)
     return lora_expand(y, s, b, slots, ranks, scales, segments)

@@ -11,9 +11,10 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
 * :func:`norm_linear` / :func:`silu_linear` — ``add_rms_norm`` or ``silu_and_mul`` followed
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
-* ``lora``: each projection group's adapters (``ref.LoRAGroup``). The op launches their
-  shrink right before the projection, from the rows the projection reads: the raw input
-  with the fused prologue, or the rows a separate norm or SiLU·mul made. The delta is then
+* ``lora`` (of :func:`linear` and :func:`norm_linear`): each projection group's adapters
+  (``ref.LoRAGroup``). The op launches their shrink right before the projection, from the
+  rows the projection reads: the raw input with the fused norm prologue, else the rows it is
+  given (down's are the activated rows gate_up's epilogue stored). The delta is then
   folded into the skinny kernel's epilogue (``kernels.skinny_lora``) where the projection
   runs a whole-K skinny tile, else added after the projection by ``lora.lora_expand``. The
   tile is the one the tuner chose for the projection without LoRA.
@@ -206,13 +207,11 @@ def norm_linear(
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None, lora: LoRAGroup | None = None,
-                ) -> torch.Tensor:
-    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster.
-    ``lora``: the adapters (module docstring)."""
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu_and_mul`` then ``linear`` (no bias); one kernel at a few rows when faster."""
 
-    def unfused(w: torch.Tensor = weight, lora: LoRAGroup | None = None):
-        return linear(silu_and_mul(gate_up), w, scale=scale, lora=lora)
+    def unfused(w: torch.Tensor = weight):
+        return linear(silu_and_mul(gate_up), w, scale=scale)
 
     if _few_rows(gate_up):
         key = (_kind("silu", weight), row_block(gate_up.shape[0]), weight.shape[0], weight.shape[1],
@@ -221,9 +220,5 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
             key, weight, unfused,
             lambda cfg, w: skinny.skinny_silu_linear(gate_up, w, config=cfg, scale=scale))
         if config is not None:
-            delta = _shrink(lora, gate_up, silu=True)
-            if delta is not None and skinny_lora.foldable(config):
-                return skinny_lora.lora_silu_linear(gate_up, weight, delta, config, scale=scale)
-            return _expand(skinny.skinny_silu_linear(gate_up, weight, config=config,
-                                                     scale=scale), delta)
-    return unfused(lora=lora)
+            return skinny.skinny_silu_linear(gate_up, weight, config=config, scale=scale)
+    return unfused()

@@ -176,10 +176,9 @@ def norm_linear(
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                scale: torch.Tensor | None = None, lora: LoRAGroup | None = None,
-                ) -> torch.Tensor:
+                scale: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU-and-mul, then a projection (down_proj)."""
-    return linear(silu_and_mul(gate_up), weight, scale=scale, lora=lora)
+    return linear(silu_and_mul(gate_up), weight, scale=scale)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -232,30 +231,30 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
 
 def lora_input(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """The rows a LoRA shrink reads, from a projection's raw input ``x``: with
     ``norm_weight`` the RMSNorm of ``x + residual`` (``x`` when None: the new residual of a
-    fused residual add + RMSNorm + projection), with ``silu`` SiLU(gate)·up of ``x`` = gate |
-    up (down_proj's ``gate_up``), else ``x`` itself. The same roundings as the separate ops."""
+    fused residual add + RMSNorm + projection), else ``x`` itself. The same roundings as the
+    separate ops."""
     if norm_weight is not None:
         return add_rms_norm(x, residual, norm_weight, eps)[0]
-    return silu_and_mul(x) if silu else x
+    return x
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int = 1,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """The first half of a LoRA delta: row ``t`` of the result is ``u[t] @ a[slots[t]]^T``
     (``a`` ``[L, S*R, in]``: ``L`` adapter slots, ``S`` output segments of ``R`` rank rows
-    each), in ``x``'s dtype, ``u = lora_input(x, norm_weight, eps, silu, residual)``; rows
+    each), in ``x``'s dtype, ``u = lora_input(x, norm_weight, eps, residual)``; rows
     whose slot is -1 or holds no adapter (rank 0) are 0.
 
     Graph safe: every slot's product runs on every row and each row keeps its own slot's.
     ``num_segments`` is the kernel's launch shape; rows past a slot's rank are zero in
     ``a`` (``replaylm.lora`` pads them), so the product needs no mask here.
     """
-    x = lora_input(x, norm_weight, eps, silu, residual)
+    x = lora_input(x, norm_weight, eps, residual)
     out = torch.zeros(x.shape[0], a.shape[1], dtype=x.dtype, device=x.device)
     for slot in range(a.shape[0]):
         rows = ((slots == slot) & (ranks[slot] > 0))[:, None]
@@ -289,12 +288,11 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: torch.
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              slots: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              segments: tuple[int, ...], norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, silu: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """A whole LoRA delta added to a projection's output ``y``: ``lora_shrink`` of the raw
     input ``x`` (its prologue: ``lora_input``), rounded to ``x``'s dtype, then
     ``lora_expand``; the reference of ``kernels.lora.lora_add`` (both of its paths)."""
-    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, silu, residual)
+    s = lora_shrink(x, a, slots, ranks, len(segments), norm_weight, eps, residual)
     return lora_expand(y, s, b, slots, ranks, scales, segments)
 
 
@@ -318,12 +316,12 @@ class LoRADelta:
 
 @dataclasses.dataclass(frozen=True)
 class LoRAGroup:
-    """A projection group's adapters for a step (``replaylm.lora``): what ``linear``,
-    ``norm_linear`` and ``silu_linear`` (here and in ``kernels.ops``) take as ``lora``.
+    """A projection group's adapters for a step (``replaylm.lora``): what ``linear`` and
+    ``norm_linear`` (here and in ``kernels.ops``) take as ``lora``.
 
     The op shrinks the rows its projection reads (:meth:`shrink`) right before the
-    projection's launch: the raw input with the op's prologue where one kernel does both,
-    else the rows the separate norm or SiLU·mul made. ``a`` ``[L, S*R, in]``, ``b``, ``ranks``,
+    projection's launch: the raw input with the norm prologue where one kernel does both,
+    else the rows it is given. ``a`` ``[L, S*R, in]``, ``b``, ``ranks``,
     ``scales`` and ``segments`` as in ``lora_shrink`` and ``lora_expand``; ``slots``: the
     step's per-token slots (at least as many as the op's rows; the first ``T`` are read);
     ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA."""
@@ -337,12 +335,12 @@ class LoRAGroup:
     shrink_op: Callable[..., torch.Tensor]
 
     def shrink(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               silu: bool = False, residual: torch.Tensor | None = None) -> LoRADelta:
+               residual: torch.Tensor | None = None) -> LoRADelta:
         """The delta of ``x``'s rows: the prologue's rows of ``x`` (``lora_input``'s
         arguments) shrunk."""
         slots = self.slots[: x.shape[0]]
         s = self.shrink_op(x, self.a, slots, self.ranks, len(self.segments), norm_weight, eps,
-                           silu, residual)
+                           residual)
         return LoRADelta(s, self.b, slots, self.ranks, self.scales, self.segments)
 
 

@@ -3,12 +3,12 @@ launch at a few rows (``kernels.skinny``'s kernel, plus the second half of ``ker
 
 A LoRA projection at a decode step is the shrink (``lora.lora_shrink``: fp32 partial sums of
 ``u @ A[slot]^T`` over ranges of ``K``, into ``[T, splits, S*R]``), then this kernel: the
-skinny projection of ``kernels.skinny`` (same prologues, tiles, PDL) whose epilogue adds,
-to each live row's fp32 sums, ``scale[slot] * s @ B[slot]^T`` over its strip of output
-columns, before the one rounding to the model dtype. ``s`` is the shrink's partial sums
-added in range order and rounded to the model dtype, as ``lora.lora_expand`` rounds it; the
-delta itself is not rounded (``lora_expand`` adds a rounded delta to the rounded
-projection). The reference is ``ref.lora_linear``.
+skinny projection of ``kernels.skinny`` (plain or with the RMSNorm prologue; same tiles and
+PDL) whose epilogue adds, to each live row's fp32 sums, ``scale[slot] * s @ B[slot]^T`` over
+its strip of output columns, before the one rounding to the model dtype. ``s`` is the
+shrink's partial sums added in range order and rounded to the model dtype, as
+``lora.lora_expand`` rounds it; the delta itself is not rounded (``lora_expand`` adds a
+rounded delta to the rounded projection). The reference is ``ref.lora_linear``.
 
 A row whose slot is -1 (a base-model row, padding) or empty (rank 0) costs its slot index
 and nothing more: the epilogue is skipped when no row of the tile is live, and a tile's
@@ -19,9 +19,10 @@ It shares ``_skinny_kernel``'s strip loads, main loop and epilogues (``skinny._l
 ``_strip_sums``, ``_epilogue``, the paired SiLU·mul store), runs whole-K tiles only (a
 split-K tile's reduction pass would need the delta instead) and takes the tile the tuner
 chose for the base projection. ``kernels.ops`` decides when to fold: where the projection
-(with its prologue, or plain after a separate norm or SiLU·mul) runs a whole-K skinny tile;
-otherwise the projection runs as without LoRA and ``lora_expand`` follows. The op launches
-the shrink right before this kernel, so it may form its sums before its PDL wait.
+(with the norm prologue, or plain: o, down, and qkv or gate_up after a separate norm) runs
+a whole-K skinny tile; otherwise the projection runs as without LoRA and ``lora_expand``
+follows. The op launches the shrink right before this kernel, so it may form its sums
+before its PDL wait.
 """
 
 from __future__ import annotations
@@ -198,9 +199,3 @@ def lora_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                          silu_pairs=silu_pairs)
     return y, (x if new_res is None else new_res)
 
-
-def lora_silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, lora: LoRADelta,
-                     config: tuple[int, ...], scale: torch.Tensor | None = None,
-                     ) -> torch.Tensor:
-    """``skinny.skinny_silu_linear`` with ``lora``'s delta folded in."""
-    return _launch(skinny.PROLOGUE_SILU, gate_up, weight, None, lora, config, scale=scale)[0]

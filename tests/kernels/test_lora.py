@@ -62,8 +62,6 @@ def test_no_rows(kernels):
 def _prologue_case(prologue: str, in_dim: int, g: torch.Generator):
     """The raw input rows of a prologue (``ref.lora_input``) and its keyword arguments."""
     t = 7
-    if prologue == "silu":
-        return torch.randn(t, 2 * in_dim, generator=g), {"silu": True}
     x = torch.randn(t, in_dim, generator=g) * 3
     if prologue.startswith("norm"):
         kw = {"norm_weight": torch.rand(in_dim, generator=g) + 0.5, "eps": 1e-5}
@@ -73,7 +71,7 @@ def _prologue_case(prologue: str, in_dim: int, g: torch.Generator):
     return x, {}
 
 
-@pytest.mark.parametrize("prologue", ["plain", "norm", "norm_residual", "silu"])
+@pytest.mark.parametrize("prologue", ["plain", "norm", "norm_residual"])
 @pytest.mark.parametrize("segments,in_dim,max_rank", [((24,), 40, 8), ((32, 16, 16), 48, 16),
                                                       ((20, 44), 300, 4), ((64, 16), 32, 32)])
 def test_lora_add_matches_reference_with_each_prologue(kernels, prologue, segments, in_dim,
@@ -139,9 +137,6 @@ def test_lora_add_refuses_bad_input(kernels):
     x = torch.randn(7, 16)
     with pytest.raises(ValueError, match="A is"):
         kernels.lora.lora_add(y, x[:, :8], a, b, tokens, ranks, scales, (8,))
-    with pytest.raises(ValueError, match="not both"):
-        kernels.lora.lora_add(y, x, a, b, tokens, ranks, scales, (8,),
-                              norm_weight=torch.ones(16), silu=True)
 
 
 @pytest.mark.parametrize("row_programs", [16, 2])

@@ -13,9 +13,8 @@ from replaylm.kernels import ref
 
 # prologue -> (K, segments, tile (BLOCK_N, BLOCK_K, warps)): K of several shrink ranges, a
 # strip across segment bounds (norm: qkv-like), N not a multiple of BLOCK_N (plain), K chunks
-# unrolled (plain, silu) and in a loop (norm).
-CASES = {"plain": (200, (24,), (16, 64, 4)), "norm": (100, (20, 6, 6), (8, 16, 4)),
-         "silu": (40, (24,), (8, 16, 4))}
+# unrolled (plain) and in a loop (norm).
+CASES = {"plain": (200, (24,), (16, 64, 4)), "norm": (100, (20, 6, 6), (8, 16, 4))}
 MAX_RANK = 8
 RANKS = (MAX_RANK, 5, 0)  # slot 2 is empty (its B holds garbage)
 SLOT = {"base": -1, "empty": 2, "live": 1}
@@ -43,12 +42,8 @@ def _case(prologue: str, rows: int, kind: str, seed: int = 0):
     tokens = torch.tensor([SLOT[kind], 0, -1][:rows], dtype=torch.int32)
     w = torch.randn(n, k, generator=g) * k**-0.5
     args: dict = {}
-    if prologue == "silu":
-        x = torch.randn(rows, 2 * k, generator=g)
-        shrink_kw = {"silu": True}
-    else:
-        x = torch.randn(rows, k, generator=g) * 2
-        shrink_kw = {}
+    x = torch.randn(rows, k, generator=g) * 2
+    shrink_kw: dict = {}
     if prologue == "norm":
         args = {"residual": torch.randn(rows, k, generator=g),
                 "norm_weight": torch.rand(k, generator=g) + 0.5, "eps": 1e-5}
@@ -65,22 +60,19 @@ def _run(lib, prologue, x, w, bias, args, lora, config=None):
     if prologue == "norm":
         return lib.norm_linear(x, args["residual"], args["norm_weight"], args["eps"], w, bias,
                                **kw)
-    if prologue == "silu":
-        return lib.silu_linear(x, w, **kw), None
     return lib.linear(x, w, bias, **kw), None
 
 
 class _Folded:
-    """``kernels.skinny_lora``'s three projections under the references' names."""
+    """``kernels.skinny_lora``'s two projections under the references' names."""
 
     def __init__(self, mod) -> None:
         self.linear, self.norm_linear = mod.lora_linear, mod.lora_norm_linear
-        self.silu_linear = mod.lora_silu_linear
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("kind", ["base", "empty", "live"])
-@pytest.mark.parametrize("prologue", ["plain", "norm", "silu"])
+@pytest.mark.parametrize("prologue", ["plain", "norm"])
 def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
     x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
         _case(prologue, rows, kind)
@@ -97,8 +89,6 @@ def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
         plain, plain_res = skinny.skinny_norm_linear(x, args["residual"], args["norm_weight"],
                                                      args["eps"], w, bias, config=config)
         assert torch.equal(got_res, plain_res) and torch.equal(got_res, want_res)
-    elif prologue == "silu":
-        plain = skinny.skinny_silu_linear(x, w, config=config)
     else:
         plain = skinny.skinny_linear(x, w, bias, config=config)
     live = (tokens >= 0) & (ranks[tokens.clamp(min=0).long()] > 0)

@@ -1,6 +1,6 @@
 """Where ``kernels.ops`` shrinks and adds a LoRA delta at a few rows, for each tuner decision:
 the shrink is launched right before the projection, from the rows it reads (the raw input
-with a fused prologue, else the rows the separate norm or SiLU·mul made); a whole-K tile
+with the fused norm prologue, else the rows it is given); a whole-K tile
 folds the delta into the projection's launch, a split-K tile adds it with ``lora_expand``.
 
 The CUDA-only pieces (the few-row check, the tuner, the kernels) are replaced by recorders,
@@ -38,12 +38,10 @@ def calls(monkeypatch):
     monkeypatch.setattr(skinny, "skinny_linear", record("projection"))
     monkeypatch.setattr(skinny, "skinny_norm_linear",
                         lambda x, *a, **kw: (record("norm projection")(x, *a, **kw), x))
-    monkeypatch.setattr(skinny, "skinny_silu_linear", record("silu projection"))
     monkeypatch.setattr(skinny_lora, "lora_linear", record("projection + delta"))
     monkeypatch.setattr(skinny_lora, "lora_norm_linear",
                         lambda x, *a, **kw: (record("norm projection + delta")(x, *a, **kw),
                                              x))
-    monkeypatch.setattr(skinny_lora, "lora_silu_linear", record("silu projection + delta"))
     monkeypatch.setattr(ops, "lora_expand", lambda y, *a: made.append("expand") or y)
     return made, decisions
 
@@ -51,9 +49,8 @@ def calls(monkeypatch):
 def _group(made: list[str]) -> ref.LoRAGroup:
     """Adapters whose shrink records which prologue it computes."""
 
-    def shrink_op(x, a, slots, ranks, num_segments, norm_weight, eps, silu, residual):
-        made.append("shrink" + (" (norm)" if norm_weight is not None else "")
-                    + (" (silu)" if silu else ""))
+    def shrink_op(x, a, slots, ranks, num_segments, norm_weight, eps, residual):
+        made.append("shrink" + (" (norm)" if norm_weight is not None else ""))
         return torch.zeros(x.shape[0], 1, 4)
 
     return ref.LoRAGroup(a=torch.zeros(1, 4, 16), b=torch.zeros(1, 8, 4),
@@ -91,15 +88,16 @@ def test_gate_up_with_adapters_keeps_silu_in_its_epilogue(calls, prologue, plain
     assert made == want
 
 
-@pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["shrink (silu)", "silu projection + delta"]),
-    (None, WHOLE_K, ["silu", "shrink", "projection + delta"]),
-    (None, SPLIT_K, ["silu", "shrink", "projection", "expand"]),
+@pytest.mark.parametrize("plain,want", [
+    (WHOLE_K, ["shrink", "projection + delta"]),
+    (SPLIT_K, ["shrink", "projection", "expand"]),
+    (None, ["shrink", "expand"]),
 ])
-def test_silu_linear_shrinks_right_before_the_projection(calls, prologue, plain, want):
+def test_linear_shrinks_right_before_the_projection(calls, plain, want):
+    """o and down: the shrink reads the rows the projection is given."""
     made, decisions = calls
-    decisions.update({"silu": prologue, "plain": plain})
-    ops.silu_linear(torch.zeros(2, 32), torch.zeros(8, 16), lora=_group(made))
+    decisions.update({"plain": plain})
+    ops.linear(torch.zeros(2, 16), torch.zeros(8, 16), lora=_group(made))
     assert made == want
 
 
