@@ -23,7 +23,9 @@ epilogue stored.
   path on slot -1 rows.
 
 ``--shrink-ranges 32,8,4`` runs both tables at each value of ``kernels.lora.SHRINK_RANGES``
-(the shrink's K ranges per row and segment: the partial sums each consumer adds).
+(the shrink's K ranges per row and segment: the partial sums each consumer adds), and
+``--grid-targets 512,100000`` the first table at each value of
+``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from replaylm.capture import graph_replay_us
 from replaylm.engine.loading import load_model_config
-from replaylm.kernels import lora, ops, ref, skinny_lora, tuner
+from replaylm.kernels import lora, lora_grouped, ops, ref, skinny_lora, tuner
 from replaylm.lora.peft import GROUP_NAMES
 from replaylm.lora.slots import LoRASlots
 
@@ -174,6 +176,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=64, help="calls per captured graph")
     p.add_argument("--shrink-ranges", default=str(lora.SHRINK_RANGES),
                    help="values of kernels.lora.SHRINK_RANGES to run both tables at")
+    p.add_argument("--grid-targets", default=str(lora_grouped.GRID_TARGET),
+                   help="values of kernels.lora_grouped.GRID_TARGET to run the first table at")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -185,16 +189,20 @@ def main() -> None:
         lora.SHRINK_RANGES = shrink_ranges
         print(f"SHRINK_RANGES {shrink_ranges}")
         results = []
-        print(f"{'group':>8} {'ranges':>6} {'rows':>5} {'adapters µs':>12} {'base rows µs':>13}")
-        for group, g in slots.groups.items():
-            ranges = -(-g.in_dim // lora.shrink_split(g.in_dim, slots.max_rank))
-            for rows in map(int, a.rows.split(",")):
-                on = time_group(slots, group, rows, True, a.calls)
-                off = time_group(slots, group, rows, False, a.calls)
-                results.append({"group": group, "rows": rows, "ranges": ranges,
-                                "adapters_us": on, "base_rows_us": off})
-                print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
-        print()
+        for target in map(int, a.grid_targets.split(",")):
+            lora_grouped.GRID_TARGET = target
+            print(f"{'group':>8} {'ranges':>6} {'rows':>5} {'adapters µs':>12} "
+                  f"{'base rows µs':>13}  (GRID_TARGET {target})")
+            for group, g in slots.groups.items():
+                ranges = -(-g.in_dim // lora.shrink_split(g.in_dim, slots.max_rank))
+                for rows in map(int, a.rows.split(",")):
+                    on = time_group(slots, group, rows, True, a.calls)
+                    off = time_group(slots, group, rows, False, a.calls)
+                    results.append({"group": group, "rows": rows, "ranges": ranges,
+                                    "grid_target": target, "adapters_us": on,
+                                    "base_rows_us": off})
+                    print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
+            print()
         fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
         runs.append({"shrink_ranges": shrink_ranges, "results": results, "projections": fold})
     out = {"model": a.model, "rank": a.rank, "runs": runs}

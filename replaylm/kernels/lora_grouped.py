@@ -7,8 +7,9 @@ columns) and one block of ``BLOCK_T`` rows, and multiplies that block's rows on 
 one ``tl.dot``, so each tile is read once per slot and row block. The row blocks are a grid
 axis: a decode step's blocks run side by side, each program with one chain of loads (its
 tile, and its block's slot indices, before the PDL wait; the rows and the shrink's partial
-sums, all at once, after it). Above ``MAX_ROW_PROGRAMS`` blocks (a long prefill) each
-program takes an even share of them in turn. The rows are not sorted: a program checks its
+sums, all at once, after it), as long as the launch stays within ``GRID_TARGET`` programs;
+past that (a wide output's expand, a long prefill) each program takes an even share of the
+blocks in turn. The rows are not sorted: a program checks its
 block's slot indices and skips a block holding none of its rows; a row is read and written
 only by its own slot's programs (no atomics, so a replay and its eager run agree to the bit).
 
@@ -35,10 +36,11 @@ from replaylm.kernels.pdl import wait_for_previous
 BLOCK_T = 16
 #: Output columns per expand program.
 BLOCK_N = 128
-#: Most programs along the rows for one slot (and ``K`` range or column block): up to this
-#: many row blocks each program takes one, so a decode step's blocks run side by side; above
-#: it each takes several in turn, reading its adapter tile once for all of them.
-MAX_ROW_PROGRAMS = 16
+#: Programs a launch aims for. The row blocks run side by side (a program each) while
+#: slots x (segments x K ranges, or column blocks) x row programs stays within it; past it
+#: each program takes several blocks in turn, reading its adapter tile once for all of them
+#: (always at least one program per slot and range or column block).
+GRID_TARGET = 512
 
 
 @triton.jit
@@ -132,11 +134,12 @@ def _grouped_expand_kernel(y_ptr, p_ptr, b_ptr, ranks_ptr, scales_ptr, slots_ptr
                 tl.store(ptrs, y + delta, mask=ok)
 
 
-def _row_programs(num_rows: int) -> tuple[int, int]:
-    """Programs along the rows per (slot, ...) and the row blocks each takes in turn: one
-    block each up to ``MAX_ROW_PROGRAMS`` blocks, then an even share."""
+def _row_programs(num_rows: int, others: int) -> tuple[int, int]:
+    """Programs along the rows, beside ``others`` programs on the other grid axes, and the
+    row blocks each takes in turn: a block each while the grid stays within
+    ``GRID_TARGET``, else an even share."""
     blocks = triton.cdiv(num_rows, BLOCK_T)
-    steps = triton.cdiv(blocks, MAX_ROW_PROGRAMS)
+    steps = triton.cdiv(blocks, max(1, GRID_TARGET // others))
     return triton.cdiv(blocks, steps), steps
 
 
@@ -155,7 +158,7 @@ def grouped_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, ranks:
     out = torch.empty(t, splits, width, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    row_programs, row_steps = _row_programs(t)
+    row_programs, row_steps = _row_programs(t, a.shape[0] * num_segments * splits)
     _grouped_shrink_kernel[(a.shape[0], row_programs, num_segments * splits)](
         x, a, out, slots, ranks, t, in_dim, row_steps, x.stride(0), a.stride(0), a.stride(1),
         out.stride(0), out.stride(1), R=rank, BLOCK_R=_block_r(rank), RANGE_K=range_k,
@@ -174,7 +177,7 @@ def grouped_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, slots: tor
     rank = b.shape[2]
     if t == 0:
         return y
-    row_programs, row_steps = _row_programs(t)
+    row_programs, row_steps = _row_programs(t, b.shape[0] * triton.cdiv(out_dim, BLOCK_N))
     _grouped_expand_kernel[(b.shape[0], row_programs, triton.cdiv(out_dim, BLOCK_N))](
         y, s, b, ranks, scales, slots, t, row_steps, out_dim, seg1, seg2, y.stride(0), s.stride(0),
         s.stride(1), b.stride(0), b.stride(1), R=rank, NUM_SEG=num_segments,

@@ -139,19 +139,23 @@ def test_lora_add_refuses_bad_input(kernels):
         kernels.lora.lora_add(y, x[:, :8], a, b, tokens, ranks, scales, (8,))
 
 
-@pytest.mark.parametrize("row_programs", [16, 2])
+@pytest.mark.parametrize("grid_target", [512, 1, "two"])
 @pytest.mark.parametrize("segments,in_dim,max_rank", [((32, 16, 16), 48, 16),
                                                       ((20, 20), 300, 4), ((130,), 64, 8)])
 def test_grouped_kernels_above_the_skinny_rows(kernels, monkeypatch, segments, in_dim,
-                                                max_rank, row_programs):
+                                                max_rank, grid_target):
     """Above ``GROUPED_ABOVE`` rows the shrink (plain rows) and the expand group rows by
     slot: 40 rows of three slots (one empty), base rows and a NaN padding row, in blocks of
     16 (the last partly filled); segments across column blocks (130 columns: two blocks).
-    A program per row block, or (``MAX_ROW_PROGRAMS`` 2) two blocks in turn per program,
-    the last one past the rows. Against the references and the per-row kernels, and the
+    A program per row block; or (``GRID_TARGET`` 1) one program per slot and range or
+    column block taking all three blocks in turn; or two programs of two blocks each, the
+    last block past the rows. Against the references and the per-row kernels, and the
     rows of no adapter untouched, to the bit."""
     lora = kernels.lora
-    monkeypatch.setattr(kernels.lora_grouped, "MAX_ROW_PROGRAMS", row_programs)
+    if grid_target == "two":
+        monkeypatch.setattr(kernels.lora_grouped, "_row_programs", lambda rows, others: (2, 2))
+    else:
+        monkeypatch.setattr(kernels.lora_grouped, "GRID_TARGET", grid_target)
     _, _, a, b, _, ranks, scales = _slots_case(segments, in_dim, max_rank, in_dim)
     g = torch.Generator().manual_seed(in_dim)
     t = 40
@@ -192,3 +196,15 @@ def test_grouped_kernels_above_the_skinny_rows(kernels, monkeypatch, segments, i
             torch.testing.assert_close(s[rows][..., cols], s_rows[rows][..., cols],
                                        rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, got_rows, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_row_programs_fill_the_grid_target(kernels, monkeypatch):
+    """The row axis: a program per 16-row block while the grid stays within
+    ``GRID_TARGET``, else an even share of the blocks per program, never none."""
+    grouped = kernels.lora_grouped
+    monkeypatch.setattr(grouped, "GRID_TARGET", 512)
+    assert grouped._row_programs(64, 64) == (4, 1)  # o at 64 rows: 4 slots x 16 blocks
+    assert grouped._row_programs(64, 512) == (1, 4)  # gate_up: 4 slots x 128 blocks
+    assert grouped._row_programs(64, 192) == (2, 2)
+    assert grouped._row_programs(2048, 48) == (10, 13)  # a prefill: 128 blocks
+    assert grouped._row_programs(40, 4096) == (1, 3)
