@@ -195,7 +195,9 @@ def test_grouped_kernels_above_the_skinny_rows(kernels, monkeypatch, segments, i
             cols = slice(j * max_rank, j * max_rank + r)
             torch.testing.assert_close(s[rows][..., cols], s_rows[rows][..., cols],
                                        rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, got_rows, rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order (the interpreter's tl.dot is the host BLAS's, whose order
+    # depends on the CPU): 300 products of ~1 differ by up to a few 1e-5.
+    torch.testing.assert_close(got, got_rows, rtol=1e-4, atol=1e-4)
 
 
 def test_grouped_row_programs_fill_the_grid_target(kernels, monkeypatch):
