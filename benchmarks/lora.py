@@ -12,7 +12,10 @@ of rank ``--rank``). Measured, every figure the best of ``--repeats``:
   cost of the LoRA launches that return at once) and with one adapter;
 - output tok/s of ``--batch`` concurrent requests: the base engine, and the LoRA engine with
   the requests spread over 4 adapters;
-- graph capture seconds and graph memory (MiB) of both engines, and their ratio;
+- graph capture seconds and graph memory (MiB) of both engines, and their ratio; with
+  ``--warm-capture`` each engine is first started once and dropped, so both measured engines
+  find every kernel compiled (otherwise the first engine's capture also pays the compiles
+  that the second then finds cached);
 - the copy that makes one adapter resident: host (pinned) to a device slot on a side stream,
   in ms.
 """
@@ -100,6 +103,15 @@ def resident_ms(llm: LLM, request: LoRARequest, repeats: int) -> float | None:
     return best
 
 
+def _drop(llm: LLM) -> None:
+    """Free ``llm``'s memory before the next engine starts."""
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="llama3.2-1b")
@@ -109,6 +121,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="the default model on a CPU, small")
+    p.add_argument("--warm-capture", action="store_true",
+                   help="start each engine once before the measured ones (compiled kernels)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     kw: dict = dict(load_format="dummy", max_num_seqs=max(a.batch, 1), skip_tokenizer_init=True,
@@ -119,13 +133,18 @@ def main() -> None:
         kw |= dict(device="cpu", num_kv_blocks=64, max_num_seqs=8,
                    max_model_len=a.prompt_len + a.max_tokens + 16)
     cfg, _ = load_model_config(model)
-    out: dict = {"model": model, "rank": a.rank, "batch": a.batch, "max_tokens": a.max_tokens}
+    out: dict = {"model": model, "rank": a.rank, "batch": a.batch, "max_tokens": a.max_tokens,
+                 "warm_capture": a.warm_capture}
     with tempfile.TemporaryDirectory() as tmp:
         loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(cfg, Path(tmp) / f"a{i}",
                                                                a.rank, i)))
                  for i in range(5)]
-        for name, extra in (("base", {}), ("lora", dict(enable_lora=True, max_loras=4,
-                                                        max_lora_rank=a.rank))):
+        engines = (("base", {}), ("lora", dict(enable_lora=True, max_loras=4,
+                                                 max_lora_rank=a.rank)))
+        if a.warm_capture:
+            for _, extra in engines:
+                _drop(LLM(model, **kw, **extra))
+        for name, extra in engines:
             llm = LLM(model, **kw, **extra)
             stats = llm.graph_stats()
             res = {"capture_seconds": stats["capture_seconds"], "graph_mib": stats["graph_mib"],
@@ -142,10 +161,7 @@ def main() -> None:
                 res["resident_ms"] = resident_ms(llm, loras[4], max(3, a.repeats))
                 res["fallbacks"] = llm.graph_stats()["fallbacks"]
             out[name] = res
-            del llm
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _drop(llm)
     base, lora = out["base"], out["lora"]
     out["batch1_slowdown"] = 1 - lora["batch1_adapter_tok_s"] / base["batch1_base_tok_s"]
     out["batchN_slowdown"] = 1 - lora["batchN_4_adapters_tok_s"] / base["batchN_base_tok_s"]
