@@ -17,8 +17,8 @@ epilogue stored.
   exceed L2, so they stream from HBM, and its bandwidth is printed against the weight
   bytes; gate_up with SiLU·mul in its epilogue, as the model runs it); *separate*: shrink,
   that projection (gate_up without its SiLU·mul), then ``lora_expand`` (three launches);
-  *folded*: shrink, then the projection with its LoRA epilogue (``kernels.skinny_lora``: two
-  launches), which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
+  *folded*: the projection with its shrink and delta in one launch (``kernels.skinny_lora``),
+  which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
   (``tile`` says which ran: ``folded`` or ``separate``); and *folded, base rows*: the folded
   path on slot -1 rows.
 

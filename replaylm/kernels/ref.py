@@ -324,7 +324,9 @@ class LoRAGroup:
     else the rows it is given. ``a`` ``[L, S*R, in]``, ``b``, ``ranks``,
     ``scales`` and ``segments`` as in ``lora_shrink`` and ``lora_expand``; ``slots``: the
     step's per-token slots (at least as many as the op's rows; the first ``T`` are read);
-    ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA."""
+    ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA; ``counter``:
+    a zeroed int32 ``[1]`` of this group's own for ``kernels.skinny_lora``'s launches, which
+    leave it zeroed (None: a new one per launch)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -333,6 +335,7 @@ class LoRAGroup:
     scales: torch.Tensor
     segments: tuple[int, ...]
     shrink_op: Callable[..., torch.Tensor]
+    counter: torch.Tensor | None = None
 
     def shrink(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                residual: torch.Tensor | None = None) -> LoRADelta:

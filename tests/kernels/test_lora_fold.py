@@ -1,8 +1,9 @@
-"""The skinny projection with its LoRA epilogue (``kernels.skinny_lora``) against the folded
-reference (``ref.lora_linear``: the projection and the delta added in fp32, one rounding),
-through the Triton interpreter: each prologue, with the row under test on slot -1, on an
-empty slot or on a live adapter, alone and beside other rows; and the projection ops'
-choice between folding and a separate expand (``kernels.ops``)."""
+"""The skinny projection with its LoRA shrink and epilogue in one launch
+(``kernels.skinny_lora``) against the folded reference (``ref.lora_linear``: the projection
+and the delta added in fp32, one rounding), through the Triton interpreter: each prologue,
+with the row under test on slot -1, on an empty slot or on a live adapter, alone and beside
+other rows; the launch's counter left at zero for the next; and the projection ops' choice
+between folding and a separate expand (``kernels.ops``)."""
 
 from __future__ import annotations
 
@@ -76,13 +77,21 @@ class _Folded:
 def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
     x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
         _case(prologue, rows, kind)
-    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
-    lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    counter = torch.zeros(1, dtype=torch.int32)
+    lora = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink,
+                         counter)
     got, got_res = _run(_Folded(kernels.skinny_lora), prologue, x, w, bias, args, lora, config)
+    assert int(counter) == 0  # every arrival taken back: ready for the next launch
     # The reference shrinks with the torch rule (rows in the model dtype, no partial sums).
     want, want_res = _run(ref, prologue, x, w, bias, args,
                           ref.LoRAGroup(a, b, tokens, ranks, scales, segments, ref.lora_shrink))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # The partial sums are the separate shrink kernel's, added in the same order.
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    if prologue == "plain":
+        torch.testing.assert_close(got, ref.lora_linear(x, w, bias, delta), rtol=1e-6,
+                                   atol=1e-5)
     # Rows without an adapter are the plain skinny kernel's, to the bit; the new residual too.
     skinny = kernels.skinny
     if prologue == "norm":
@@ -123,8 +132,7 @@ def test_folded_projection_with_silu_pairs(kernels, prologue, rows, inter, tile)
     norm = ({"residual": torch.randn(rows, k, generator=g),
              "norm_weight": torch.rand(k, generator=g) + 0.5, "eps": 1e-5}
             if prologue == "norm" else {})
-    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **norm)
-    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    delta = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink)
     folded = kernels.skinny_lora
     if prologue == "norm":
         nargs = (norm["residual"], norm["norm_weight"], norm["eps"])
@@ -146,13 +154,31 @@ def test_padding_rows(kernels):
         _case("plain", 3, "live", seed=5)
     x[2] = float("nan")
     parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments))
-    lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
+    lora = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink)
     got = kernels.skinny_lora.lora_linear(x, w, bias, lora, config)
     plain = kernels.skinny.skinny_linear(x, w, bias, config=config)
     assert torch.equal(got[2].isnan(), plain[2].isnan())
     want = ref.lora_linear(x[:2], w, bias, ref.LoRADelta(parts[:2], b, tokens[:2], ranks,
                                                           scales, segments))
     torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-4)
+
+
+def test_one_counter_serves_launch_after_launch(kernels):
+    """Three launches in a row on one counter, with another mix of slots each (a live row, no
+    live row, then live rows again): each equals a launch on a fresh counter, and the counter
+    is back at zero after each."""
+    x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
+        _case("norm", 3, "live", seed=3)
+    counter = torch.zeros(1, dtype=torch.int32)
+    for mix in ([1, 0, -1], [-1, 2, -1], [0, 1, 1]):
+        slots = torch.tensor(mix, dtype=torch.int32)
+        shared = ref.LoRAGroup(a, b, slots, ranks, scales, segments, kernels.lora.lora_shrink,
+                               counter)
+        fresh = ref.LoRAGroup(a, b, slots, ranks, scales, segments, kernels.lora.lora_shrink)
+        got = _run(_Folded(kernels.skinny_lora), "norm", x, w, bias, args, shared, config)[0]
+        assert int(counter) == 0
+        want = _run(_Folded(kernels.skinny_lora), "norm", x, w, bias, args, fresh, config)[0]
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("decision", ["whole", "split", "unfused"])
