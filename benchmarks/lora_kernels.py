@@ -25,7 +25,9 @@ epilogue stored.
 ``--shrink-ranges 32,8,4`` runs both tables at each value of ``kernels.lora.SHRINK_RANGES``
 (the shrink's K ranges per row and segment: the partial sums each consumer adds), and
 ``--grid-targets 512,100000`` the first table at each value of
-``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows).
+``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows),
+``--replicas 1,8`` the second at each value of ``kernels.skinny_lora.REPLICAS`` (the copies
+of the counter the folded projection's strips wait on).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def time_projection(slots: LoRASlots, group: str, rows: int, path: str, on_adapt
             return
         adapters = slots.group(i % layers, group)
         if path == "folded":
+            if i % layers == 0:  # a forward's start zeroes the counters (LlamaModel.first_link)
+                slots.counters.zero_()
             _project(group, inputs, w, adapters)
             return
         delta = adapters.shrink(inputs["x"], **shrink_kw)
@@ -178,6 +182,8 @@ def main() -> None:
                    help="values of kernels.lora.SHRINK_RANGES to run both tables at")
     p.add_argument("--grid-targets", default=str(lora_grouped.GRID_TARGET),
                    help="values of kernels.lora_grouped.GRID_TARGET to run the first table at")
+    p.add_argument("--replicas", default=str(skinny_lora.REPLICAS),
+                   help="values of kernels.skinny_lora.REPLICAS to run the second table at")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -203,7 +209,12 @@ def main() -> None:
                                     "base_rows_us": off})
                     print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
             print()
-        fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
+        fold = {}
+        for replicas in map(int, a.replicas.split(",")):
+            skinny_lora.REPLICAS = replicas
+            print(f"skinny_lora.REPLICAS {replicas}")
+            fold[replicas] = fold_table(slots, [int(r) for r in a.fold_rows.split(",")],
+                                        a.calls)
         runs.append({"shrink_ranges": shrink_ranges, "results": results, "projections": fold})
     out = {"model": a.model, "rank": a.rank, "runs": runs}
     if a.json:

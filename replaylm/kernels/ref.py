@@ -314,6 +314,10 @@ class LoRADelta:
     segments: tuple[int, ...]
 
 
+#: int32 entries of a projection group's counter (``LoRAGroup.counter``).
+LORA_COUNTER_INTS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAGroup:
     """A projection group's adapters for a step (``replaylm.lora``): what ``linear`` and
@@ -325,8 +329,9 @@ class LoRAGroup:
     ``scales`` and ``segments`` as in ``lora_shrink`` and ``lora_expand``; ``slots``: the
     step's per-token slots (at least as many as the op's rows; the first ``T`` are read);
     ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA; ``counter``:
-    a zeroed int32 ``[1]`` of this group's own for ``kernels.skinny_lora``'s launches, which
-    leave it zeroed (None: a new one per launch)."""
+    int32 ``[LORA_COUNTER_INTS]`` of this group's own for ``kernels.skinny_lora``'s launch,
+    zero before it (a forward zeroes every group's first, ``LlamaModel.first_link``; None:
+    a new one per launch)."""
 
     a: torch.Tensor
     b: torch.Tensor

@@ -5,17 +5,18 @@ epilogue.
 Programs ``0 .. T*S*splits - 1`` are the shrink: program (row, segment, K range) computes
 its range's fp32 partial sums of ``u[t] @ A[slot]^T`` (``u`` the prologue's rows: RMSNorm
 of ``x + residual``, or ``x`` as it is) exactly as ``lora.lora_shrink`` does, stores them,
-and adds 1 to the group's counter (release). The programs after them are the projection's
-strips (plain or with the RMSNorm prologue; same tiles and PDL as ``_skinny_kernel``): each
-streams its weight strip, and a strip with a live row then waits for the counter to show
-every shrink program (acquire), adds each segment's partial sums in range order, rounds the
-shrink to the model dtype (as ``lora.lora_expand`` does) and adds ``scale[slot] * s @
-B[slot]^T`` to its fp32 sums before the one rounding to the model dtype; the delta itself
-is not rounded (``lora_expand`` adds a rounded delta to the rounded projection). The
-reference is ``ref.lora_linear``. Each strip then arrives on the counter (``ARRIVE``
-each), and the last to arrive sets it back to 0 once every shrink program has released, so
-the next launch finds it zeroed. The waits cannot deadlock: the shrink programs have the
-lowest indices, so they are on the SMs before any strip that waits for them.
+and adds 1 to each of the group's counter replicas (release). The programs after them are
+the projection's strips (plain or with the RMSNorm prologue; same tiles and PDL as
+``_skinny_kernel``): each streams its weight strip, and a strip with a live row then waits
+for its replica (``REPLICAS``, so that the waiting strips do not all poll one address) to
+count every shrink program (acquire), adds each segment's partial sums in range order,
+rounds the shrink to the model dtype (as ``lora.lora_expand`` does) and adds
+``scale[slot] * s @ B[slot]^T`` to its fp32 sums before the one rounding to the model
+dtype; the delta itself is not rounded (``lora_expand`` adds a rounded delta to the rounded
+projection). The reference is ``ref.lora_linear``. Each projection of a forward has its
+own counter, which the forward zeroes first (``LlamaModel.first_link``), so the strips
+write nothing to it. The waits cannot deadlock: the shrink programs have the lowest
+indices, so they are on the SMs before any strip that waits for them.
 
 A row whose slot is -1 (a base-model row, padding) or empty (rank 0) costs its slot index
 and nothing more: its shrink programs store nothing, a tile without a live row waits for
@@ -46,7 +47,7 @@ from replaylm.kernels.lora import (
     shrink_split,
 )
 from replaylm.kernels.pdl import wait_for_previous
-from replaylm.kernels.ref import LoRAGroup
+from replaylm.kernels.ref import LORA_COUNTER_INTS, LoRAGroup
 from replaylm.kernels.skinny import _load_strip, _strip_sums
 from replaylm.kernels.skinny_epilogue import _epilogue, _store_silu_pairs
 
@@ -71,19 +72,19 @@ def _lora_weights(lb_ptr, slots_ptr, ranks_ptr, scales_ptr, offs_m, m_mask, offs
 
 
 @triton.jit
-def _await_shrinks(cnt_ptr, count, ARRIVE: tl.constexpr):
-    """Spin until ``count`` shrink programs of this launch have released their sums (the
-    counter's low digits, read with acquire)."""
-    done = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") % ARRIVE
+def _await_shrinks(cnt_ptr, count):
+    """Spin until the counter at ``cnt_ptr`` shows ``count`` shrink programs' releases (read
+    with acquire)."""
+    done = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     while done < count:
-        done = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") % ARRIVE
+        done = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
 def _lora_delta(y_ptr, lp_ptr, cnt_ptr, lead, b, rank, scale, offs_m, offs_n, n_lo, n_hi, seg1,
                 seg2, stride_lpt, stride_lps, R: tl.constexpr, NUM_SEG: tl.constexpr,
                 SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_R: tl.constexpr, ARRIVE: tl.constexpr):
+                BLOCK_R: tl.constexpr):
     """``scale * s @ B^T`` of each row of the tile over columns ``offs_n`` (fp32
     ``[BLOCK_M, BLOCK_N]``), from ``_lora_weights``'s ``b``, ``rank`` and ``scale`` and the
     shrink programs' partial sums (awaited, then read from L2: other SMs wrote them); and
@@ -91,7 +92,7 @@ def _lora_delta(y_ptr, lp_ptr, cnt_ptr, lead, b, rank, scale, offs_m, offs_n, n_
     live = rank > 0
     delta = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if tl.max(live.to(tl.int32), axis=0) > 0:
-        _await_shrinks(cnt_ptr, lead, ARRIVE)
+        _await_shrinks(cnt_ptr, lead)
         dt = y_ptr.dtype.element_ty
         r = tl.arange(0, BLOCK_R)
         r_ok = r[None, :] < rank[:, None]
@@ -116,7 +117,7 @@ def _lora_delta(y_ptr, lp_ptr, cnt_ptr, lead, b, rank, scale, offs_m, offs_n, n_
 
 
 @triton.jit
-def _strip(pid, lead, strips, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+def _strip(pid, lead, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
            M, N, eps, stride_xm, stride_rm, stride_om, stride_wn, stride_ym, lp_ptr, lb_ptr,
            slots_ptr, ranks_ptr, scales_ptr, cnt_ptr, seg1, seg2, stride_lpt, stride_lps,
            stride_lbl, stride_lbn, K: tl.constexpr, PROLOGUE: tl.constexpr,
@@ -125,11 +126,10 @@ def _strip(pid, lead, strips, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b
            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, CHUNKS: tl.constexpr,
            WHOLE: tl.constexpr, USE_PDL: tl.constexpr, SILU_PAIRS: tl.constexpr,
            R: tl.constexpr, NUM_SEG: tl.constexpr, SPLITS: tl.constexpr,
-           BLOCK_R: tl.constexpr, ARRIVE: tl.constexpr):
+           BLOCK_R: tl.constexpr):
     """Strip ``pid`` of the projection (``skinny._skinny_kernel``'s program, whole-K), with
     the LoRA delta added to its fp32 sums before the store (with ``SILU_PAIRS``, before
-    SiLU·mul of the paired gate and up rows); then its arrival on the counter, which the
-    last strip to arrive resets once every shrink program has released."""
+    SiLU·mul of the paired gate and up rows). ``cnt_ptr``: the counter replica it reads."""
     if SILU_PAIRS:  # the strip of paired gate and up rows, as in ``_skinny_kernel``
         pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) % (BLOCK_N // 2)
         offs_n = tl.where(tl.arange(0, BLOCK_N) < BLOCK_N // 2, pair, pair + N // 2)
@@ -156,7 +156,7 @@ def _strip(pid, lead, strips, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b
                           EVEN_N, EVEN_K, CHUNKS, WHOLE)
     delta, live = _lora_delta(y_ptr, lp_ptr, cnt_ptr, lead, b, rank, scale, offs_m, offs_n,
                               n_lo, n_hi, seg1, seg2, stride_lpt, stride_lps, R, NUM_SEG,
-                              SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, ARRIVE)
+                              SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
     out = _epilogue(out, sq, s_ptr, b_ptr, offs_n, n_mask, eps, K, PROLOGUE, HAS_SCALE, HAS_BIAS)
     out = tl.where(live[:, None], out + delta, out)  # a dead row: the plain kernel's sums
     if SILU_PAIRS:
@@ -164,10 +164,6 @@ def _strip(pid, lead, strips, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b
     else:
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
                  out.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    arrived = tl.atomic_add(cnt_ptr, ARRIVE, sem="acq_rel", scope="gpu") // ARRIVE
-    if arrived == strips - 1:  # every strip is past its wait: ready for the next launch
-        _await_shrinks(cnt_ptr, lead, ARRIVE)
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["seg1", "seg2"])
@@ -183,11 +179,12 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                         USE_PDL: tl.constexpr, SILU_PAIRS: tl.constexpr, R: tl.constexpr,
                         NUM_SEG: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
                         RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                        ARRIVE: tl.constexpr):
+                        REPLICAS: tl.constexpr, REPLICA_STRIDE: tl.constexpr):
     """The shrink programs, then the projection's strips (``_strip``; whole-K tiles,
     ``SPLIT_K`` 1 and ``part_ptr`` unused). Program ``pid < M * NUM_SEG * SPLITS`` is
     ``lora._shrink_kernel``'s program (row, segment, K range): it stores its fp32 partial
-    sums, then adds 1 to the counter (release)."""
+    sums, then adds 1 to each of the counter's ``REPLICAS`` (release); strip ``j`` reads
+    replica ``j % REPLICAS``."""
     pid = tl.program_id(0)
     lead = M * (NUM_SEG * SPLITS)
     if pid < lead:
@@ -201,14 +198,16 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                       stride_xm, stride_rm, stride_lpt, stride_lps, R, PROLOGUE, HAS_RESIDUAL,
                       BLOCK_R, RANGE_K, NORM_BLOCK)
         tl.debug_barrier()  # every thread's sums are stored before the release
-        tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+        tl.atomic_add(cnt_ptr + tl.arange(0, REPLICAS) * REPLICA_STRIDE, 1, sem="release",
+                      scope="gpu")
     else:
-        _strip(pid - lead, lead, tl.num_programs(0) - lead, x_ptr, r_ptr, nw_ptr, res_out_ptr,
+        strip = pid - lead
+        _strip(strip, lead, x_ptr, r_ptr, nw_ptr, res_out_ptr,
                w_ptr, s_ptr, b_ptr, y_ptr, M, N, eps, stride_xm, stride_rm, stride_om,
-               stride_wn, stride_ym, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr, cnt_ptr,
-               seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, K, PROLOGUE,
+               stride_wn, stride_ym, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
+               cnt_ptr + (strip % REPLICAS) * REPLICA_STRIDE, seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, K, PROLOGUE,
                HAS_RESIDUAL, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K,
-               CHUNKS, WHOLE, USE_PDL, SILU_PAIRS, R, NUM_SEG, SPLITS, BLOCK_R, ARRIVE)
+               CHUNKS, WHOLE, USE_PDL, SILU_PAIRS, R, NUM_SEG, SPLITS, BLOCK_R)
 
 
 def foldable(config: tuple[int, ...] | None) -> bool:
@@ -217,8 +216,11 @@ def foldable(config: tuple[int, ...] | None) -> bool:
     return config is not None and (len(config) == 4 or config[4] <= 1)
 
 
-#: The counter's arrival unit: shrink programs add 1, strips add ``ARRIVE``.
-ARRIVE = 1 << 16
+#: Copies of the counter that the shrink programs add to, each on its own 128-byte line:
+#: the strips that wait spread their reads over them rather than all polling one address.
+REPLICAS = 8
+REPLICA_STRIDE = 32
+assert REPLICAS * REPLICA_STRIDE <= LORA_COUNTER_INTS
 
 
 def _lora_args(lora: LoRAGroup, rows: int, in_dim: int, out_dim: int,
@@ -232,11 +234,11 @@ def _lora_args(lora: LoRAGroup, rows: int, in_dim: int, out_dim: int,
     range_k = shrink_split(in_dim, rank)
     splits = triton.cdiv(in_dim, range_k)
     lead = rows * num_seg * splits
-    assert lead < ARRIVE and triton.cdiv(out_dim, 2) < 2**31 // ARRIVE
     parts = torch.empty(rows, splits, num_seg * rank, dtype=torch.float32, device=device)
     counter = lora.counter
     if counter is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = torch.zeros(LORA_COUNTER_INTS, dtype=torch.int32, device=device)
+    assert counter.dtype == torch.int32 and counter.numel() >= LORA_COUNTER_INTS
     seg1, seg2 = segment_bounds(lora.segments, out_dim)
     return dict(la_ptr=a, lp_ptr=parts, lb_ptr=b, slots_ptr=lora.slots, ranks_ptr=lora.ranks,
                 scales_ptr=lora.scales, cnt_ptr=counter, seg1=seg1, seg2=seg2,
@@ -244,7 +246,7 @@ def _lora_args(lora: LoRAGroup, rows: int, in_dim: int, out_dim: int,
                 stride_lps=parts.stride(1), stride_lbl=b.stride(0), stride_lbn=b.stride(1),
                 R=rank, NUM_SEG=num_seg, SPLITS=splits, BLOCK_R=triton.next_power_of_2(rank),
                 RANGE_K=range_k, NORM_BLOCK=min(4096, triton.next_power_of_2(in_dim)),
-                ARRIVE=ARRIVE), lead
+                REPLICAS=REPLICAS, REPLICA_STRIDE=REPLICA_STRIDE), lead
 
 
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

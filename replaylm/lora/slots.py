@@ -8,8 +8,9 @@ reallocated (graphs bake their addresses in):
   rank ``r`` fills segment ``j``'s rows ``j*R .. j*R + r`` of ``a`` and columns ``..r`` of
   ``b``, zeros elsewhere;
 * ``ranks`` ``[groups, layers, L]`` int32 (0: that slot adds nothing to that projection) and
-  ``scales`` ``[L]`` fp32; ``counters`` ``[groups, layers, 1]`` int32, each projection's own
-  for its one-launch shrink and delta (``kernels.skinny_lora``), zero between launches;
+  ``scales`` ``[L]`` fp32; ``counters`` ``[groups, layers, LORA_COUNTER_INTS]`` int32, each
+  projection's own for its one-launch shrink and delta (``kernels.skinny_lora``), which the
+  model zeroes at the start of every forward (``LlamaModel.lora_counters``);
 * ``token_slots`` ``[max_tokens]`` int32: each packed token's slot, -1 for base-model tokens
   and padding. The model runner writes it before every step (``set_step``); the layers read
   its first ``T`` entries, so every graph tier reads the same tensor.
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from replaylm.kernels import ref
-from replaylm.kernels.ref import LoRAGroup
+from replaylm.kernels.ref import LORA_COUNTER_INTS, LoRAGroup
 from replaylm.lora.peft import GROUP_NAMES, HostAdapter, groups
 from replaylm.model.config import ModelConfig
 
@@ -46,8 +47,8 @@ class LoRASlots:
                   for g in self.groups.values()}
         self.ranks = torch.zeros(len(GROUP_NAMES), layers, n, dtype=torch.int32, device=device)
         self.scales = torch.zeros(n, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(len(GROUP_NAMES), layers, 1, dtype=torch.int32,
-                                    device=device)
+        self.counters = torch.zeros(len(GROUP_NAMES), layers, LORA_COUNTER_INTS,
+                                    dtype=torch.int32, device=device)
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._stages = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=pin)
