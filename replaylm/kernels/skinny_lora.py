@@ -202,10 +202,10 @@ def _skinny_lora_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, 
                       scope="gpu")
     else:
         strip = pid - lead
-        _strip(strip, lead, x_ptr, r_ptr, nw_ptr, res_out_ptr,
-               w_ptr, s_ptr, b_ptr, y_ptr, M, N, eps, stride_xm, stride_rm, stride_om,
-               stride_wn, stride_ym, lp_ptr, lb_ptr, slots_ptr, ranks_ptr, scales_ptr,
-               cnt_ptr + (strip % REPLICAS) * REPLICA_STRIDE, seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, K, PROLOGUE,
+        _strip(strip, lead, x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N,
+               eps, stride_xm, stride_rm, stride_om, stride_wn, stride_ym, lp_ptr, lb_ptr,
+               slots_ptr, ranks_ptr, scales_ptr, cnt_ptr + (strip % REPLICAS) * REPLICA_STRIDE,
+               seg1, seg2, stride_lpt, stride_lps, stride_lbl, stride_lbn, K, PROLOGUE,
                HAS_RESIDUAL, HAS_SCALE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K,
                CHUNKS, WHOLE, USE_PDL, SILU_PAIRS, R, NUM_SEG, SPLITS, BLOCK_R)
 
