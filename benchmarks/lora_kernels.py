@@ -26,8 +26,9 @@ epilogue stored.
 (the shrink's K ranges per row and segment: the partial sums each consumer adds), and
 ``--grid-targets 512,100000`` the first table at each value of
 ``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows),
-``--replicas 1,8`` the second at each value of ``kernels.skinny_lora.REPLICAS`` (the copies
-of the counter the folded projection's strips wait on).
+``--replicas 1,8`` and ``--spin-ns 0,100`` the second at each value of
+``kernels.skinny_lora.REPLICAS`` and ``SPIN_NS`` (the copies of the counter the folded
+projection's strips wait on, and their sleep between reads of it).
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ def main() -> None:
                    help="values of kernels.lora_grouped.GRID_TARGET to run the first table at")
     p.add_argument("--replicas", default=str(skinny_lora.REPLICAS),
                    help="values of kernels.skinny_lora.REPLICAS to run the second table at")
+    p.add_argument("--spin-ns", default=str(skinny_lora.SPIN_NS),
+                   help="values of kernels.skinny_lora.SPIN_NS to run the second table at")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -211,10 +214,11 @@ def main() -> None:
             print()
         fold = {}
         for replicas in map(int, a.replicas.split(",")):
-            skinny_lora.REPLICAS = replicas
-            print(f"skinny_lora.REPLICAS {replicas}")
-            fold[replicas] = fold_table(slots, [int(r) for r in a.fold_rows.split(",")],
-                                        a.calls)
+            for spin in map(int, a.spin_ns.split(",")):
+                skinny_lora.REPLICAS, skinny_lora.SPIN_NS = replicas, spin
+                print(f"skinny_lora.REPLICAS {replicas}, SPIN_NS {spin}")
+                fold[f"{replicas},{spin}"] = fold_table(
+                    slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
         runs.append({"shrink_ranges": shrink_ranges, "results": results, "projections": fold})
     out = {"model": a.model, "rank": a.rank, "runs": runs}
     if a.json:
