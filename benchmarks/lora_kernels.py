@@ -17,18 +17,15 @@ epilogue stored.
   exceed L2, so they stream from HBM, and its bandwidth is printed against the weight
   bytes; gate_up with SiLU·mul in its epilogue, as the model runs it); *separate*: shrink,
   that projection (gate_up without its SiLU·mul), then ``lora_expand`` (three launches);
-  *folded*: the projection with its shrink and delta in one launch (``kernels.skinny_lora``),
-  which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
+  *folded*: shrink, then the projection with its LoRA epilogue (``kernels.skinny_lora``: two
+  launches), which ``kernels.ops`` runs when the tuned tile is a whole-K skinny tile
   (``tile`` says which ran: ``folded`` or ``separate``); and *folded, base rows*: the folded
   path on slot -1 rows.
 
 ``--shrink-ranges 32,8,4`` runs both tables at each value of ``kernels.lora.SHRINK_RANGES``
 (the shrink's K ranges per row and segment: the partial sums each consumer adds), and
 ``--grid-targets 512,100000`` the first table at each value of
-``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows),
-``--replicas 1,8`` and ``--spin-ns 0,100`` the second at each value of
-``kernels.skinny_lora.REPLICAS`` and ``SPIN_NS`` (the copies of the counter the folded
-projection's strips wait on, and their sleep between reads of it).
+``kernels.lora_grouped.GRID_TARGET`` (how many row blocks run side by side above 8 rows).
 """
 
 from __future__ import annotations
@@ -139,8 +136,6 @@ def time_projection(slots: LoRASlots, group: str, rows: int, path: str, on_adapt
             return
         adapters = slots.group(i % layers, group)
         if path == "folded":
-            if i % layers == 0:  # a forward's start zeroes the counters (LlamaModel.first_link)
-                slots.counters.zero_()
             _project(group, inputs, w, adapters)
             return
         delta = adapters.shrink(inputs["x"], **shrink_kw)
@@ -183,10 +178,6 @@ def main() -> None:
                    help="values of kernels.lora.SHRINK_RANGES to run both tables at")
     p.add_argument("--grid-targets", default=str(lora_grouped.GRID_TARGET),
                    help="values of kernels.lora_grouped.GRID_TARGET to run the first table at")
-    p.add_argument("--replicas", default=str(skinny_lora.REPLICAS),
-                   help="values of kernels.skinny_lora.REPLICAS to run the second table at")
-    p.add_argument("--spin-ns", default=str(skinny_lora.SPIN_NS),
-                   help="values of kernels.skinny_lora.SPIN_NS to run the second table at")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -212,13 +203,7 @@ def main() -> None:
                                     "base_rows_us": off})
                     print(f"{group:>8} {ranges:>6} {rows:>5} {on:>12.2f} {off:>13.2f}")
             print()
-        fold = {}
-        for replicas in map(int, a.replicas.split(",")):
-            for spin in map(int, a.spin_ns.split(",")):
-                skinny_lora.REPLICAS, skinny_lora.SPIN_NS = replicas, spin
-                print(f"skinny_lora.REPLICAS {replicas}, SPIN_NS {spin}")
-                fold[f"{replicas},{spin}"] = fold_table(
-                    slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
+        fold = fold_table(slots, [int(r) for r in a.fold_rows.split(",")], a.calls)
         runs.append({"shrink_ranges": shrink_ranges, "results": results, "projections": fold})
     out = {"model": a.model, "rank": a.rank, "runs": runs}
     if a.json:

@@ -185,7 +185,6 @@ class ModelRunner(RunnerStartup, KVSizing, RunnerMemory):
                           self.device)
         for layer, hook in zip(self.model.layers, slots.hooks()):
             layer.lora = hook
-        self.model.lora_counters = slots.counters
         log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", args.max_loras,
                  args.max_lora_rank,
                  LoRASlots.nbytes(self.cfg, args.max_loras, args.max_lora_rank, self.dtype)

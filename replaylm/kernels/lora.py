@@ -21,9 +21,8 @@ reads ``u`` as it is (o and down, and qkv and gate_up after a separate norm).
 * :func:`lora_expand` — program ``(t, column block)`` adds each segment's partial sums in
   range order (deterministic: no atomics), rounds the shrink to the model dtype as a separate
   LoRA branch stores it, and adds ``scale * s[t, seg(n)] @ B[l, n]^T`` to the output in place.
-  At a few rows, where the projection runs a whole-K skinny tile, ``kernels.skinny_lora``
-  runs both halves in the projection's launch instead (the shrink's programs, then the
-  strips with this half in their epilogue).
+  At a few rows ``kernels.ops`` instead folds this half into the skinny projection's
+  epilogue (``kernels.skinny_lora``), where the projection runs a whole-K skinny tile.
 
 Above ``GROUPED_ABOVE`` rows both take ``kernels.lora_grouped``'s kernels instead (the shrink
 where its rows are plain, as they are there): a program per slot reads its ``A`` or ``B``
@@ -45,7 +44,7 @@ import triton.language as tl
 
 from replaylm.kernels import pdl
 from replaylm.kernels.lora_grouped import grouped_expand, grouped_shrink
-from replaylm.kernels.pdl import wait_for_previous
+from replaylm.kernels.pdl import release_after_wait, wait_for_previous
 from replaylm.kernels.skinny import MAX_M
 
 #: K ranges the shrink aims for per row and segment (``shrink_split``). The expand and the
@@ -108,33 +107,30 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, rows, row_ok, inv_rms, k, in_dim, stride_
     return tl.where(ok, x, 0.0).to(dt)
 
 
-@triton.jit
-def _shrink_tile(a_ptr, slots_ptr, ranks_ptr, row, seg, split, in_dim, stride_al, stride_ar,
-                 R: tl.constexpr, BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr):
-    """What a shrink program reads before its PDL wait: row ``row``'s slot (copied in before
-    the step's first kernel), the slot's rank and the ``A`` tile of segment ``seg`` over K
-    range ``split`` (written between steps only). Returns ``(a_tile, rank)``; a dead row
-    (slot -1 or rank 0) has rank 0 and loads no ``A``."""
+@triton.jit(do_not_specialize=["in_dim"])
+def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, eps,
+                   stride_x, stride_r, stride_al, stride_ar, stride_pt, stride_ps,
+                   R: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.program_id(1)
+    split = tl.program_id(2)
+    # Before the wait: the row's slot (copied in before the step's first kernel) and the
+    # slot's rank and A tile (written between steps only), so that after it only the input
+    # rows are read. A dead row (slot -1 or rank 0) loads nothing.
     slot = tl.load(slots_ptr + row).to(tl.int64)
     live_slot = tl.maximum(slot, 0)
     rank = tl.load(ranks_ptr + live_slot, mask=slot >= 0, other=0)
     r = tl.arange(0, BLOCK_R)
+    r_ok = r < rank
     k = split * RANGE_K + tl.arange(0, RANGE_K)
     av = tl.load(a_ptr + live_slot * stride_al + (seg * R + r)[:, None] * stride_ar
-                 + k[None, :], mask=(r < rank)[:, None] & (k < in_dim)[None, :], other=0.0)
-    return av, rank
-
-
-@triton.jit
-def _shrink_range(x_ptr, r_ptr, nw_ptr, p_ptr, av, rank, row, seg, split, in_dim, eps,
-                  stride_x, stride_r, stride_pt, stride_ps, R: tl.constexpr,
-                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr,
-                  RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """After the wait: the prologue's row ``row`` over the range, times ``_shrink_tile``'s
-    ``A`` tile, stored as that range's fp32 partial sums (nothing for a dead row)."""
+                 + k[None, :], mask=r_ok[:, None] & (k < in_dim)[None, :], other=0.0)
+    # Its dependents are scheduled only after this wait, so the projection after it may
+    # read the rows this kernel reads before its own wait (``skinny_lora``).
+    release_after_wait(USE_PDL)
     if rank > 0:
-        r = tl.arange(0, BLOCK_R)
-        k = split * RANGE_K + tl.arange(0, RANGE_K)
         rows = row + tl.zeros([1], dtype=tl.int64)  # this program's row, as a block
         row_ok = rows >= 0
         inv_rms = tl.full([1], 1.0, tl.float32)
@@ -145,24 +141,7 @@ def _shrink_range(x_ptr, r_ptr, nw_ptr, p_ptr, av, rank, row, seg, split, in_dim
                           stride_x, stride_r, PROLOGUE,
                           HAS_RESIDUAL).to(tl.float32)  # [1, RANGE_K]
         tl.store(p_ptr + row * stride_pt + split * stride_ps + seg * R + r,
-                 tl.sum(av.to(tl.float32) * xv, axis=1), mask=r < rank)
-
-
-@triton.jit(do_not_specialize=["in_dim"])
-def _shrink_kernel(x_ptr, r_ptr, nw_ptr, a_ptr, p_ptr, slots_ptr, ranks_ptr, in_dim, eps,
-                   stride_x, stride_r, stride_al, stride_ar, stride_pt, stride_ps,
-                   R: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   BLOCK_R: tl.constexpr, RANGE_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    seg = tl.program_id(1)
-    split = tl.program_id(2)
-    av, rank = _shrink_tile(a_ptr, slots_ptr, ranks_ptr, row, seg, split, in_dim, stride_al,
-                            stride_ar, R, BLOCK_R, RANGE_K)
-    wait_for_previous(USE_PDL)
-    _shrink_range(x_ptr, r_ptr, nw_ptr, p_ptr, av, rank, row, seg, split, in_dim, eps,
-                  stride_x, stride_r, stride_pt, stride_ps, R, PROLOGUE, HAS_RESIDUAL, BLOCK_R,
-                  RANGE_K, NORM_BLOCK)
+                 tl.sum(av.to(tl.float32) * xv, axis=1), mask=r_ok)
 
 
 @triton.jit(do_not_specialize=["out_dim", "seg1", "seg2", "splits"])
@@ -204,7 +183,7 @@ def _expand_kernel(y_ptr, p_ptr, b_ptr, slots_ptr, ranks_ptr, scales_ptr, out_di
         tl.store(y_ptr + row * stride_y + n, y + delta, mask=n_ok)
 
 
-def check_input(x: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None,
+def _check(x: torch.Tensor, a: torch.Tensor, norm_weight: torch.Tensor | None,
            residual: torch.Tensor | None) -> int:
     """The shrink's input width; checks the shapes the kernels rely on."""
     in_dim = x.shape[1]
@@ -244,7 +223,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     per (row, output segment, range). Rows without an adapter, and rank rows past a slot's
     rank, are left unwritten (``lora_expand`` never reads them)."""
     prologue = PROLOGUE_PLAIN if norm_weight is None else PROLOGUE_NORM
-    in_dim = check_input(x, a, norm_weight, residual)
+    in_dim = _check(x, a, norm_weight, residual)
     t = x.shape[0]
     width = a.shape[1]
     assert width % num_segments == 0

@@ -12,13 +12,12 @@ in ``kernels.ref``, so a layer calls ``(kernels or ref).norm_linear(...)`` eithe
   by ``linear``; at a few rows, when measured faster, one skinny-kernel launch that computes
   its own input rows.
 * ``lora`` (of :func:`linear` and :func:`norm_linear`): each projection group's adapters
-  (``ref.LoRAGroup``), shrunk from the rows the projection reads: the raw input with the
-  fused norm prologue, else the rows it is given (down's are the activated rows gate_up's
-  epilogue stored). Where the projection runs a whole-K skinny tile, one launch does it all
-  (``kernels.skinny_lora``: the shrink's programs, then the strips with the delta in their
-  epilogue); otherwise the op launches the shrink (``lora.lora_shrink``) right before the
-  projection and adds the delta after it (``lora.lora_expand``). The tile is the one the
-  tuner chose for the projection without LoRA.
+  (``ref.LoRAGroup``). The op launches their shrink right before the projection, from the
+  rows the projection reads: the raw input with the fused norm prologue, else the rows it is
+  given (down's are the activated rows gate_up's epilogue stored). The delta is then
+  folded into the skinny kernel's epilogue (``kernels.skinny_lora``) where the projection
+  runs a whole-K skinny tile, else added after the projection by ``lora.lora_expand``. The
+  tile is the one the tuner chose for the projection without LoRA.
 * :func:`route_topk` — MoE routing: one Triton launch on CUDA (``kernels.moe_route``).
 * :func:`fused_moe` — the routed experts on CUDA: per-assignment GEMVs
   (``kernels.moe_decode``) up to ``moe_decode.MAX_ASSIGNMENTS`` (token, expert) pairs, the
@@ -140,10 +139,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         fused=lambda cfg, w: skinny.skinny_linear(x, w, bias, config=cfg, out=out, scale=scale),
     )
     whole_k = skinny_lora.foldable(config)  # a whole-K tile: the epilogue can pair SiLU rows
-    if lora is not None and whole_k:  # one launch: the shrink's programs, then the strips
-        return skinny_lora.lora_linear(x, weight, bias, lora, config, out=out, scale=scale,
-                                       silu_pairs=silu_out)
     delta = _shrink(lora, x)
+    if delta is not None and whole_k:
+        return skinny_lora.lora_linear(x, weight, bias, delta, config, out=out, scale=scale,
+                                       silu_pairs=silu_out)
     if silu_out and whole_k:
         return skinny.skinny_linear(x, weight, bias, config=config, scale=scale,
                                     silu_pairs=True)
@@ -195,11 +194,11 @@ def norm_linear(
                                                            bias, config=cfg, scale=scale))
         if config is not None:
             pairs = silu_out and skinny_lora.foldable(config)  # whole-K: the epilogue pairs
-            if lora is not None and skinny_lora.foldable(config):
-                return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                                    lora, config, scale=scale,
-                                                    silu_pairs=pairs)
             delta = _shrink(lora, x, norm_weight=norm_weight, eps=eps, residual=residual)
+            if delta is not None and skinny_lora.foldable(config):
+                return skinny_lora.lora_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                                    delta, config, scale=scale,
+                                                    silu_pairs=pairs)
             y, new_res = skinny.skinny_norm_linear(x, residual, norm_weight, eps, weight, bias,
                                                    config=config, scale=scale, silu_pairs=pairs)
             return _silu(_expand(y, delta), silu_out and not pairs), new_res

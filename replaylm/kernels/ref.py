@@ -314,10 +314,6 @@ class LoRADelta:
     segments: tuple[int, ...]
 
 
-#: int32 entries of a projection group's counter (``LoRAGroup.counter``).
-LORA_COUNTER_INTS = 256
-
-
 @dataclasses.dataclass(frozen=True)
 class LoRAGroup:
     """A projection group's adapters for a step (``replaylm.lora``): what ``linear`` and
@@ -328,10 +324,7 @@ class LoRAGroup:
     else the rows it is given. ``a`` ``[L, S*R, in]``, ``b``, ``ranks``,
     ``scales`` and ``segments`` as in ``lora_shrink`` and ``lora_expand``; ``slots``: the
     step's per-token slots (at least as many as the op's rows; the first ``T`` are read);
-    ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA; ``counter``:
-    int32 ``[LORA_COUNTER_INTS]`` of this group's own for ``kernels.skinny_lora``'s launch,
-    zero before it (a forward zeroes every group's first, ``LlamaModel.first_link``; None:
-    a new one per launch)."""
+    ``shrink_op``: :func:`lora_shrink`, or ``kernels.lora.lora_shrink`` on CUDA."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -340,7 +333,6 @@ class LoRAGroup:
     scales: torch.Tensor
     segments: tuple[int, ...]
     shrink_op: Callable[..., torch.Tensor]
-    counter: torch.Tensor | None = None
 
     def shrink(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                residual: torch.Tensor | None = None) -> LoRADelta:

@@ -294,16 +294,15 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             out: torch.Tensor | None = None, scale: torch.Tensor | None = None,
             kernel: triton.runtime.JITFunction | None = None, extra: dict | None = None,
-            silu_pairs: bool = False, lead_programs: int = 0,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            silu_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the skinny kernel with prologue ``mode`` (0 plain, 1 add + RMSNorm, 2 SiLU·mul);
     returns ``(y, new_residual)`` (the latter only for mode 1 with a residual). ``out``: where
     ``y`` goes (``[M, N]``, contiguous rows). ``scale``: the float32 row scales ``[N]`` of an
     FP8 ``weight``. ``config``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``, or with a fifth
     entry ``SPLIT_K`` > 1 a split-K launch (``skinny_split``). ``kernel``: a variant of
-    ``_skinny_kernel`` with ``extra`` arguments and ``lead_programs`` before the strips
-    (whole-K tiles). ``silu_pairs``: ``weight`` is ``[gate | up]``, ``y`` ``silu(gate) * up``
-    ``[M, N/2]`` (whole-K tiles). Each launch's bytes go to ``launch_bytes``."""
+    ``_skinny_kernel`` taking its arguments and ``extra`` ones (whole-K tiles only).
+    ``silu_pairs``: ``weight`` is ``[gate | up]`` and ``y`` is ``silu(gate) * up``, ``[M, N/2]``
+    (whole-K tiles only). Each launch's bytes go to ``launch_bytes``."""
     m = x.shape[0]
     k = x.shape[1] // 2 if mode == PROLOGUE_SILU else x.shape[1]
     n = weight.shape[0]
@@ -334,8 +333,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     part = skinny_split.partials(splits, bm, n, x.device) if splits > 1 else y
     r = residual if residual is not None else x
     o = new_res if new_res is not None else x
-    grid = (lead_programs + (triton.cdiv(n_out, bn // 2) if silu_pairs else triton.cdiv(n, bn)),
-            splits)
+    grid = (triton.cdiv(n_out, bn // 2) if silu_pairs else triton.cdiv(n, bn), splits)
     compile_only = _COMPILE_ONLY.get()
     fn = kernel or _skinny_kernel
     launch = functools.partial(fn.warmup, grid=grid) if compile_only else fn[grid]
@@ -345,9 +343,11 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         x, r, norm_weight if norm_weight is not None else weight, o, weight,
         scale if scale is not None else weight, bias if bias is not None else weight, y, part,
         m, n, eps,
-        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0), K=k,
+        x.stride(0), r.stride(0), o.stride(0), weight.stride(0), y.stride(0),
+        K=k,
         PROLOGUE=mode, HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n_out % (bn // 2) == 0 if silu_pairs else n % bn == 0,
         EVEN_K=k % bk == 0 and chunks * splits * bk == k,
         CHUNKS=chunks, WHOLE=chunks <= MAX_UNROLL, SPLIT_K=splits, USE_PDL=pdl.ENABLED,

@@ -8,19 +8,17 @@ reallocated (graphs bake their addresses in):
   rank ``r`` fills segment ``j``'s rows ``j*R .. j*R + r`` of ``a`` and columns ``..r`` of
   ``b``, zeros elsewhere;
 * ``ranks`` ``[groups, layers, L]`` int32 (0: that slot adds nothing to that projection) and
-  ``scales`` ``[L]`` fp32; ``counters`` ``[groups, layers, LORA_COUNTER_INTS]`` int32, each
-  projection's own for its one-launch shrink and delta (``kernels.skinny_lora``), which the
-  model zeroes at the start of every forward (``LlamaModel.lora_counters``);
+  ``scales`` ``[L]`` fp32;
 * ``token_slots`` ``[max_tokens]`` int32: each packed token's slot, -1 for base-model tokens
   and padding. The model runner writes it before every step (``set_step``); the layers read
   its first ``T`` entries, so every graph tier reads the same tensor.
 
 Each decoder layer gets a ``LayerLoRA`` hook (``DecoderLayer.lora``) that returns a group's
 adapters for the step (``kernels.ref.LoRAGroup``: that layer's ``a`` and ``b``, the ranks,
-scales, token slots and counter) for the projection op, which shrinks and adds the delta
-in the projection's launch where it can (``kernels.skinny_lora``), else launches the shrink
-right before the projection (``kernels.lora.lora_shrink`` on CUDA, ``kernels.ref.lora_shrink``
-elsewhere) and adds the delta after it (``kernels.ops`` / ``kernels.ref``).
+scales and token slots) for the projection op, which launches the shrink right before the
+projection (``kernels.lora.lora_shrink`` on CUDA, ``kernels.ref.lora_shrink`` elsewhere)
+and folds the delta into its epilogue or adds it after it (``kernels.ops`` /
+``kernels.ref``).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import numpy as np
 import torch
 
 from replaylm.kernels import ref
-from replaylm.kernels.ref import LORA_COUNTER_INTS, LoRAGroup
+from replaylm.kernels.ref import LoRAGroup
 from replaylm.lora.peft import GROUP_NAMES, HostAdapter, groups
 from replaylm.model.config import ModelConfig
 
@@ -47,8 +45,6 @@ class LoRASlots:
                   for g in self.groups.values()}
         self.ranks = torch.zeros(len(GROUP_NAMES), layers, n, dtype=torch.int32, device=device)
         self.scales = torch.zeros(n, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(len(GROUP_NAMES), layers, LORA_COUNTER_INTS,
-                                    dtype=torch.int32, device=device)
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._stages = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=pin)
@@ -119,10 +115,9 @@ class LoRASlots:
         shrink_op = ref.lora_shrink
         if self.device.type == "cuda":
             from replaylm.kernels.lora import lora_shrink as shrink_op
-        index = self._index[name]
         return LoRAGroup(self.a[name][layer], self.b[name][layer], self.token_slots,
-                         self.ranks[index, layer], self.scales, g.segments, shrink_op,
-                         self.counters[index, layer])
+                         self.ranks[self._index[name], layer], self.scales, g.segments,
+                         shrink_op)
 
 
 class LayerLoRA:

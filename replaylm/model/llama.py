@@ -189,9 +189,6 @@ class CausalLM(nn.Module):
         # Set by the runner: decode steps of at most this many request slots leave q/k norm,
         # rotary and the KV write to the attention launch (Triton backend, whole-model modes).
         self.rope_in_attention_max_reqs = 0
-        # Set by the runner with LoRA on: the adapters' counters (``lora.slots``), zeroed at
-        # the start of every forward, before any projection's one-launch shrink counts on one.
-        self.lora_counters: torch.Tensor | None = None
 
     def use_side_stream(self, max_tokens: int) -> None:
         """Let MoE layers run the shared expert on one side stream, made here for the whole
@@ -250,11 +247,8 @@ class CausalLM(nn.Module):
 
     def first_link(self, input_ids, positions, meta: AttentionMetadata,
                    embedded: torch.Tensor | None = None):
-        """Embedding (unless ``embedded`` holds the rows already) + before₀; with LoRA, the
-        adapters' counters zeroed first (``lora_counters``)."""
+        """Embedding (unless ``embedded`` holds the rows already) + before₀."""
         hidden = self.embed(input_ids) if embedded is None else embedded
-        if self.lora_counters is not None:
-            self.lora_counters.zero_()
         if self.poison_padding:
             # Tokens past the last request's end belong to no request: padding.
             pad = torch.arange(hidden.shape[0], device=hidden.device) >= meta.cu_seqlens_q[-1]

@@ -148,7 +148,8 @@ def test_folded_gate_up_with_silu_pairs_bf16(rows):
     nw = torch.rand(in_dim, device=DEV, generator=g).to(bf16) + 0.5
     tokens = torch.tensor([3, -1, 2][:rows], dtype=torch.int32, device=DEV)
     config = skinny.pick_config(rows, n, in_dim)
-    delta = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, lora.lora_shrink)
+    parts = lora.lora_shrink(x, a, tokens, ranks, 2, norm_weight=nw, eps=1e-5, residual=res)
+    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
     y, _ = skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config)
     got, _ = skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config,
                                           silu_pairs=True)
@@ -157,10 +158,10 @@ def test_folded_gate_up_with_silu_pairs_bf16(rows):
 
 @pytest.mark.parametrize("group,rows", FOLD_CASES)
 def test_folded_projection_bf16(group, rows):
-    """The skinny projection with its LoRA shrink and epilogue (``kernels.skinny_lora``)
-    against the folded reference (``ref.lora_linear``) in bf16, on the tile ``pick_config``
-    gives; rows without an adapter, and a step of base rows only, bit-identical to the plain
-    skinny kernel's; one counter for every launch, zeroed before each."""
+    """The skinny projection with its LoRA epilogue (``kernels.skinny_lora``) against the
+    folded reference (``ref.lora_linear``) in bf16, on the tile ``pick_config`` gives; rows
+    without an adapter, and a step of base rows only, bit-identical to the plain skinny
+    kernel's."""
     from replaylm.kernels import lora, skinny, skinny_lora
 
     segments, in_dim, prologue = GROUP_SHAPES[group]
@@ -175,12 +176,14 @@ def test_folded_projection_bf16(group, rows):
     x = torch.randn(rows, in_dim, device=DEV, generator=g, dtype=bf16)
     res = torch.randn(rows, in_dim, device=DEV, generator=g, dtype=bf16)
     nw = torch.rand(in_dim, device=DEV, generator=g).to(bf16) + 0.5
+    shrink_kw = {}
+    if prologue == "norm":
+        shrink_kw = {"norm_weight": nw, "eps": 1e-5, "residual": res}
     config = skinny.pick_config(rows, n, in_dim)
-    counter = torch.zeros(ref.LORA_COUNTER_INTS, dtype=torch.int32, device=DEV)
 
     def project(tokens, folded: bool):
-        counter.zero_()  # as a forward zeroes it
-        delta = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, lora.lora_shrink, counter)
+        parts = lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+        delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
         if prologue == "norm":
             if folded:
                 return skinny_lora.lora_norm_linear(x, res, nw, 1e-5, w, None, delta, config)[0]
@@ -200,7 +203,6 @@ def test_folded_projection_bf16(group, rows):
     assert torch.equal(got[1:], plain[1:])
     base = torch.full((rows,), -1, dtype=torch.int32, device=DEV)
     assert torch.equal(project(base, True), plain)
-    assert torch.equal(project(tokens, True), got)  # the same counter, after a launch of none
 
 
 @torch.no_grad()

@@ -1,9 +1,8 @@
-"""The skinny projection with its LoRA shrink and epilogue in one launch
-(``kernels.skinny_lora``) against the folded reference (``ref.lora_linear``: the projection
-and the delta added in fp32, one rounding), through the Triton interpreter: each prologue,
-with the row under test on slot -1, on an empty slot or on a live adapter, alone and beside
-other rows; the launch's counter; and the projection ops' choice
-between folding and a separate expand (``kernels.ops``)."""
+"""The skinny projection with its LoRA epilogue (``kernels.skinny_lora``) against the folded
+reference (``ref.lora_linear``: the projection and the delta added in fp32, one rounding),
+through the Triton interpreter: each prologue, with the row under test on slot -1, on an
+empty slot or on a live adapter, alone and beside other rows; and the projection ops'
+choice between folding and a separate expand (``kernels.ops``)."""
 
 from __future__ import annotations
 
@@ -77,21 +76,13 @@ class _Folded:
 def test_folded_projection_matches_reference(kernels, prologue, kind, rows):
     x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
         _case(prologue, rows, kind)
-    counter = torch.zeros(ref.LORA_COUNTER_INTS, dtype=torch.int32)
-    lora = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink,
-                         counter)
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
+    lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
     got, got_res = _run(_Folded(kernels.skinny_lora), prologue, x, w, bias, args, lora, config)
-    _check_counter(kernels, counter, rows, len(segments), x.shape[1], MAX_RANK)
     # The reference shrinks with the torch rule (rows in the model dtype, no partial sums).
     want, want_res = _run(ref, prologue, x, w, bias, args,
                           ref.LoRAGroup(a, b, tokens, ranks, scales, segments, ref.lora_shrink))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    # The partial sums are the separate shrink kernel's, added in the same order.
-    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **shrink_kw)
-    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
-    if prologue == "plain":
-        torch.testing.assert_close(got, ref.lora_linear(x, w, bias, delta), rtol=1e-6,
-                                   atol=1e-5)
     # Rows without an adapter are the plain skinny kernel's, to the bit; the new residual too.
     skinny = kernels.skinny
     if prologue == "norm":
@@ -132,7 +123,8 @@ def test_folded_projection_with_silu_pairs(kernels, prologue, rows, inter, tile)
     norm = ({"residual": torch.randn(rows, k, generator=g),
              "norm_weight": torch.rand(k, generator=g) + 0.5, "eps": 1e-5}
             if prologue == "norm" else {})
-    delta = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink)
+    parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments), **norm)
+    delta = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
     folded = kernels.skinny_lora
     if prologue == "norm":
         nargs = (norm["residual"], norm["norm_weight"], norm["eps"])
@@ -154,42 +146,13 @@ def test_padding_rows(kernels):
         _case("plain", 3, "live", seed=5)
     x[2] = float("nan")
     parts = kernels.lora.lora_shrink(x, a, tokens, ranks, len(segments))
-    lora = ref.LoRAGroup(a, b, tokens, ranks, scales, segments, kernels.lora.lora_shrink)
+    lora = ref.LoRADelta(parts, b, tokens, ranks, scales, segments)
     got = kernels.skinny_lora.lora_linear(x, w, bias, lora, config)
     plain = kernels.skinny.skinny_linear(x, w, bias, config=config)
     assert torch.equal(got[2].isnan(), plain[2].isnan())
     want = ref.lora_linear(x[:2], w, bias, ref.LoRADelta(parts[:2], b, tokens[:2], ranks,
                                                           scales, segments))
     torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-4)
-
-
-def _check_counter(kernels, counter: torch.Tensor, rows: int, num_seg: int, in_dim: int,
-                   rank: int) -> None:
-    """Every shrink program added 1 to every replica of the counter, and nothing else did."""
-    sl = kernels.skinny_lora
-    splits = -(-in_dim // kernels.lora.shrink_split(in_dim, rank))
-    replicas = counter[: sl.REPLICAS * sl.REPLICA_STRIDE: sl.REPLICA_STRIDE]
-    assert replicas.tolist() == [rows * num_seg * splits] * sl.REPLICAS
-    assert int(counter.sum()) == int(replicas.sum())
-
-
-def test_one_counter_serves_launch_after_launch(kernels):
-    """Three launches in a row on one counter zeroed before each (as a forward zeroes it),
-    with another mix of slots each (a live row, no live row, then live rows again): each
-    equals a launch on a fresh counter."""
-    x, w, bias, args, shrink_kw, (a, b, tokens, ranks, scales, segments), config = \
-        _case("norm", 3, "live", seed=3)
-    counter = torch.zeros(ref.LORA_COUNTER_INTS, dtype=torch.int32)
-    for mix in ([1, 0, -1], [-1, 2, -1], [0, 1, 1]):
-        slots = torch.tensor(mix, dtype=torch.int32)
-        shared = ref.LoRAGroup(a, b, slots, ranks, scales, segments, kernels.lora.lora_shrink,
-                               counter)
-        fresh = ref.LoRAGroup(a, b, slots, ranks, scales, segments, kernels.lora.lora_shrink)
-        counter.zero_()
-        got = _run(_Folded(kernels.skinny_lora), "norm", x, w, bias, args, shared, config)[0]
-        _check_counter(kernels, counter, 3, len(segments), x.shape[1], MAX_RANK)
-        want = _run(_Folded(kernels.skinny_lora), "norm", x, w, bias, args, fresh, config)[0]
-        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("decision", ["whole", "split", "unfused"])

@@ -1,7 +1,7 @@
 """Where ``kernels.ops`` shrinks and adds a LoRA delta at a few rows, for each tuner decision:
-a whole-K tile does the shrink and the delta in the projection's launch; otherwise the
-shrink is launched right before the projection, from the rows it reads (the raw input with
-the fused norm prologue, else the rows it is given), and ``lora_expand`` adds the delta.
+the shrink is launched right before the projection, from the rows it reads (the raw input
+with the fused norm prologue, else the rows it is given); a whole-K tile
+folds the delta into the projection's launch, a split-K tile adds it with ``lora_expand``.
 
 The CUDA-only pieces (the few-row check, the tuner, the kernels) are replaced by recorders,
 so this runs on the CPU; the kernels themselves are tested in ``tests/kernels`` and on the
@@ -59,12 +59,12 @@ def _group(made: list[str]) -> ref.LoRAGroup:
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["norm projection + delta"]),
-    (None, WHOLE_K, ["norm", "projection + delta"]),
+    (WHOLE_K, WHOLE_K, ["shrink (norm)", "norm projection + delta"]),
+    (None, WHOLE_K, ["norm", "shrink", "projection + delta"]),
     (None, SPLIT_K, ["norm", "shrink", "projection", "expand"]),
     (SPLIT_K, WHOLE_K, ["shrink (norm)", "norm projection", "expand"]),
 ])
-def test_norm_linear_folds_or_shrinks_right_before_the_projection(calls, prologue, plain, want):
+def test_norm_linear_shrinks_right_before_the_projection(calls, prologue, plain, want):
     made, decisions = calls
     decisions.update({"norm": prologue, "plain": plain})
     x, w, nw = torch.zeros(2, 16), torch.zeros(8, 16), torch.ones(16)
@@ -73,8 +73,8 @@ def test_norm_linear_folds_or_shrinks_right_before_the_projection(calls, prologu
 
 
 @pytest.mark.parametrize("prologue,plain,want", [
-    (WHOLE_K, WHOLE_K, ["norm projection + delta + SiLU pairs"]),
-    (None, WHOLE_K, ["norm", "projection + delta + SiLU pairs"]),
+    (WHOLE_K, WHOLE_K, ["shrink (norm)", "norm projection + delta + SiLU pairs"]),
+    (None, WHOLE_K, ["norm", "shrink", "projection + delta + SiLU pairs"]),
     (None, SPLIT_K, ["norm", "shrink", "projection", "expand", "silu"]),
     (SPLIT_K, WHOLE_K, ["shrink (norm)", "norm projection", "expand", "silu"]),
 ])
@@ -89,13 +89,12 @@ def test_gate_up_with_adapters_keeps_silu_in_its_epilogue(calls, prologue, plain
 
 
 @pytest.mark.parametrize("plain,want", [
-    (WHOLE_K, ["projection + delta"]),
+    (WHOLE_K, ["shrink", "projection + delta"]),
     (SPLIT_K, ["shrink", "projection", "expand"]),
     (None, ["shrink", "expand"]),
 ])
-def test_linear_folds_or_shrinks_right_before_the_projection(calls, plain, want):
-    """o and down: the shrink reads the rows the projection is given (in the projection's
-    launch on a whole-K tile)."""
+def test_linear_shrinks_right_before_the_projection(calls, plain, want):
+    """o and down: the shrink reads the rows the projection is given."""
     made, decisions = calls
     decisions.update({"plain": plain})
     ops.linear(torch.zeros(2, 16), torch.zeros(8, 16), lora=_group(made))

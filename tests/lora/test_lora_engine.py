@@ -52,11 +52,8 @@ def test_mixed_batch(setup, mode):
             prompts.append(p)
             reqs.append(lora)
             want.append(expected[lora][i])
-    counters = llm.engine.runner.model.lora_counters
-    counters.fill_(7)  # what launches of the one-launch shrink leave (``kernels.skinny_lora``)
     got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs))
     assert got == want
-    assert not counters.any()  # every forward zeroes them first, graph replays included
     if mode != "eager":
         hits = llm.graph_stats()["hits"]
         assert sum(hits.values()) > 0, hits
