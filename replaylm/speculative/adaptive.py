@@ -55,13 +55,13 @@ from replaylm.graphs.tiers import round_up
 from replaylm.speculative.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
-DECAY = 0.95  # weight left to earlier evidence per draft tried
+DECAY = 0.98  # weight left to earlier evidence per draft tried
 WINDOW = 8  # step costs: the least of this many latest times per tier
 SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
-ENTER_MARGIN = 0.05  # coasting ends where drafts are expected to beat plain by this share
+ENTER_MARGIN = 0.02  # coasting ends where drafts are expected to beat plain by this share
 
 
 def eager_tiers(max_tokens: int) -> list[int]:
@@ -128,6 +128,10 @@ class AdaptiveBudget:
         self.plain_costs: dict[int, float] = {}  # plain overlapped steps: tier -> seconds
         self._times: dict[int, deque[float]] = {}
         self._plain_times: dict[int, deque[float]] = {}
+        # The latest staircase of each kind, with what it was built from: the chooser runs
+        # every step, and the costs settle within a few steps.
+        self._stairs: tuple[Any, list[tuple[int, float]]] = (None, [])
+        self._plain_stairs: tuple[Any, dict[int, float]] = (None, {})
         self._counts = (PRIOR, 1.0)  # decayed (accepted, tried) over every request
         self.acceptance = PRIOR  # their ratio
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
@@ -163,13 +167,18 @@ class AdaptiveBudget:
 
     def staircase(self, floor: float | None = None) -> list[tuple[int, float]]:
         """Verify steps' costs per tier (``floor``: below every measured tier)."""
-        return staircase(self.tiers, self.costs, floor)
+        key = (floor, tuple(self.costs.items()))
+        if self._stairs[0] != key:
+            self._stairs = (key, staircase(self.tiers, self.costs, floor))
+        return self._stairs[1]
 
     def plain_cost(self, num_tokens: int) -> float | None:
         """Seconds of a plain overlapped step of ``num_tokens`` tokens (None: not measured)."""
         tier = self.tier_of(num_tokens)
-        stairs = dict(staircase(self.tiers, self.plain_costs))
-        return stairs.get(tier) if tier is not None else None
+        key = tuple(self.plain_costs.items())
+        if self._plain_stairs[0] != key:
+            self._plain_stairs = (key, dict(staircase(self.tiers, self.plain_costs)))
+        return self._plain_stairs[1].get(tier) if tier is not None else None
 
     def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int],
                 margin: float = 0.0) -> list[int]:
