@@ -103,6 +103,12 @@ def test_adaptive_budget_learns_costs_and_acceptance():
     # gain, so the chooser tries them where that would pay.
     assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(1.3)),
                              (16, pytest.approx(1.3))]
+    # The staircases are kept between steps: a cost that changes shows in the next one.
+    b.observe_step(4, 1.1, verified=True)
+    assert b.staircase()[0] == (4, pytest.approx(1.1))
+    assert b.plain_cost(3) == pytest.approx(1.0)
+    b.observe_step(4, 0.9, verified=False)
+    assert b.plain_cost(3) == pytest.approx(0.9)
     lone = AdaptiveBudget([4, 8, 16], 4)
     lone.observe_step(8, 2.0, verified=True)
     # Tiers below every measured one: the floor given (a plain step's cost), else the lowest.
