@@ -17,7 +17,8 @@ Four parts, each selectable (``--parts``):
   weights (random ones included) each draft is accepted with probability ``p`` given the
   ones before it were. Outputs then follow the accepted drafts, not the plain run's
   (``matches_reference`` counts the requests that still equal it). Plain decoding against
-  fixed K and the adaptive budget.
+  fixed K and the adaptive budget; ``--pipelines`` runs fixed K with each
+  ``speculative_config['pipeline']`` setting (``speculative.pipeline``).
 - ``ngram`` (c): the n-gram drafter on prompts made of a repeated span, fixed K and
   adaptive against plain (on random weights the output does not repeat the prompt, so
   acceptance is near zero: the point is what the budget does with it).
@@ -70,6 +71,7 @@ from replaylm.bench.spec_plan import (
 )
 from replaylm.bench.spec_report import add_speedups, format_table, write_report
 from replaylm.config import EngineArgs
+from replaylm.speculative.config import PIPELINE_MODES
 
 
 def run_spec_bench(base: EngineArgs, opts: Options, log: Any = print
@@ -221,6 +223,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(b)'s adaptive and (c)'s K (default: 1,2,4,8)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="(b), (c): also run the adaptive budget (default: on)")
+    parser.add_argument("--pipelines", type=_choices(PIPELINE_MODES), default=["auto"],
+                        help="(b): run fixed K with each of these speculative_config "
+                        "'pipeline' settings (auto, on, off; default: auto)")
     parser.add_argument("--prompt-len", type=int, default=d.prompt_len,
                         help=f"prompt tokens (default: {d.prompt_len})")
     parser.add_argument("--new-tokens", type=int, default=d.new_tokens,
@@ -247,7 +252,7 @@ def options_from(ns: argparse.Namespace) -> Options:
         distributions=tuple(ns.distributions), layouts=tuple(ns.layouts),
         verify_k=ns.verify_k, verify_steps=ns.verify_steps, verify_warmup=ns.verify_warmup,
         e2e_batches=tuple(ns.batch_sizes), acceptance=tuple(ns.acceptance), ks=tuple(ns.ks),
-        adaptive=ns.adaptive, prompt_len=ns.prompt_len, new_tokens=ns.new_tokens,
+        adaptive=ns.adaptive, pipelines=tuple(ns.pipelines), prompt_len=ns.prompt_len, new_tokens=ns.new_tokens,
         warmup_tokens=ns.warmup_tokens, draft_model=ns.draft_model, draft_k=ns.draft_k,
         seed=ns.bench_seed)
 

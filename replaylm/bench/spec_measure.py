@@ -146,7 +146,7 @@ def e2e_run(llm: Any, prompts: list[list[int]], new_tokens: int, warmup_tokens: 
         row.update({name: st[name] for name in (
             "mean_accepted_length", "per_token_acceptance", "acceptance_rate",
             "budget_tokens_per_step", "draft_tokens_per_step", "verify_steps", "steps",
-            "draft_tokens", "accepted_tokens", "padded_waste")})
+            "draft_tokens", "accepted_tokens", "padded_waste", "pipelined_steps")})
     return row, outs
 
 

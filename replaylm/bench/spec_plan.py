@@ -24,6 +24,7 @@ class Options:
     acceptance: tuple[float, ...] = (0.0, 0.3, 0.6, 0.8, 0.95)
     ks: tuple[int, ...] = (1, 2, 4, 8)
     adaptive: bool = True
+    pipelines: tuple[str, ...] = ("auto",)  # (b): fixed K with each ``pipeline`` setting
     prompt_len: int = 32
     new_tokens: int = 128
     warmup_tokens: int = 64
@@ -32,8 +33,10 @@ class Options:
     seed: int = 0
 
 
-def _ngram(k: int, budget: str = "fixed", verify: str = "ragged") -> dict[str, Any]:
-    return {"method": "ngram", "num_speculative_tokens": k, "budget": budget, "verify": verify}
+def _ngram(k: int, budget: str = "fixed", verify: str = "ragged",
+           pipeline: str = "auto") -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": k, "budget": budget, "verify": verify,
+            "pipeline": pipeline}
 
 
 def engine_plan(opts: Options, target_model: str
@@ -58,7 +61,10 @@ def engine_plan(opts: Options, target_model: str
         if role not in parts:
             continue
         for k in opts.ks if role == "acceptance" else (kmax,):
-            add(f"fixed-k{k}", _ngram(k), "controlled" if role == "acceptance" else role)
+            for pipe in opts.pipelines if role == "acceptance" else ("auto",):
+                label = f"fixed-k{k}" if pipe == "auto" else f"fixed-k{k}-pipeline-{pipe}"
+                add(label, _ngram(k, pipeline=pipe),
+                    "controlled" if role == "acceptance" else role)
         if opts.adaptive:
             add(f"adaptive-k{kmax}", _ngram(kmax, "adaptive"),
                 "controlled" if role == "acceptance" else role)
@@ -73,4 +79,4 @@ def config_of(label: str, spec: dict[str, Any] | None) -> dict[str, Any]:
     if spec is None:
         return {"config": "plain", "k": 0, "budget": None}
     return {"config": label, "k": spec["num_speculative_tokens"],
-            "budget": spec.get("budget", "fixed")}
+            "budget": spec.get("budget", "fixed"), "pipeline": spec.get("pipeline", "auto")}

@@ -41,7 +41,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      "(draft tokens per step)")
         for r in sel:
             if r.get("error"):
-                lines.append(f"  {r['config']:<14} batch {r['batch']:>3}: {r['error']}")
+                lines.append(f"  {r['config']:<22} batch {r['batch']:>3}: {r['error']}")
                 continue
             p = f" p={r['p']}" if r.get("p") is not None else ""
             extra = ""
@@ -49,7 +49,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 extra = (f"  accepted {r['mean_accepted_length']:.2f}/verify "
                          f"(per token {r['per_token_acceptance']:.3f})  budget "
                          f"{r['budget_tokens_per_step']:.2f}")
-            lines.append(f"  {r['config']:<14}{p:<7} batch {r['batch']:>3}: "
+            if r.get("pipelined_steps"):
+                extra += f"  pipelined {r['pipelined_steps']}/{r['verify_steps']}"
+            lines.append(f"  {r['config']:<22}{p:<7} batch {r['batch']:>3}: "
                          f"{r['tok_s']:>10,.1f} tok/s  x{r.get('speedup', 0):.2f}{extra}")
     return "\n".join(lines)
 

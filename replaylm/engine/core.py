@@ -86,9 +86,9 @@ class EngineCore(RequestChecks, AdapterRequests, WeightsAndSleep, SpeculationAcc
                             else None)
         self.stats.spec = self.spec_stats
         # Overlap scheduling: the CPU schedules and launches step N+1 while the GPU runs
-        # step N. A step with drafts resolves before the next is built (the next input is
-        # the last token its verify emitted), so with speculation overlap pays only where
-        # plain steps run (``Speculation.overlaps``).
+        # step N. A request's step with drafts resolves before its next is built (the next
+        # input is the last token its verify emitted), so with speculation overlap runs plain
+        # steps, or pipelines two cohorts of requests (``Speculation.overlaps``).
         self.overlap = args.overlap_scheduling and (
             self.speculation is None or self.speculation.overlaps)
         self.inflight: Launched | None = None  # launched, not yet resolved (overlap)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from replaylm.engine.block_manager import BlockManager
 from replaylm.engine.request import Request, RequestStatus
@@ -133,17 +133,20 @@ class Scheduler:
         req.status = status
         self._unfinished.pop(req.request_id, None)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: Collection[Request] = ()) -> SchedulerOutput:
+        """The next step. ``hold``: running requests that sit this step out (pipelined verify
+        steps, ``speculative.pipeline``: the cohort in flight, and any ready request beyond
+        this step's cohort)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        prefill_room = self._prefill_room()
+        prefill_room = self._prefill_room(hold)
         bm = self.block_manager
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and self._finishes_on_resolve(req):
-                i += 1  # its last token is in flight: nothing more to compute
+            if (req.num_pending and self._finishes_on_resolve(req)) or req in hold:
+                i += 1  # its last token is in flight (nothing more to compute), or held
                 continue
             n = req.num_tokens - req.num_computed_tokens
             assert n >= 1, f"{req!r} is running with nothing to compute"
@@ -211,7 +214,7 @@ class Scheduler:
                 prefill_room -= n
         return out
 
-    def _prefill_room(self) -> int:
+    def _prefill_room(self, hold: Collection[Request]) -> int:
         """Prompt tokens this step may carry: ``max_mixed_prefill_tokens`` when a running
         request will decode in it (chunked prefill on), else the whole budget."""
         cap = self.max_mixed_prefill_tokens
@@ -219,6 +222,7 @@ class Scheduler:
             return self.max_num_batched_tokens
         decoding = any(r.num_tokens - r.num_computed_tokens == 1
                        and not (r.num_pending and self._finishes_on_resolve(r))
+                       and r not in hold
                        for r in self.running)
         return min(cap, self.max_num_batched_tokens) if decoding else self.max_num_batched_tokens
 

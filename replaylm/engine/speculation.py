@@ -1,5 +1,7 @@
 """The speculative step: drafts proposed before scheduling, verified in the step, resolved at
-once; with the adaptive budget, plain overlapped steps while speculation does not pay.
+once, or, pipelined, resolved in the next step while the other cohort's is built
+(``speculative.pipeline``); with the adaptive budget, plain overlapped steps while
+speculation does not pay.
 
 ``EngineCore.step`` hands the whole step here when ``speculative_config`` is set. What a
 verify does on the device (the acceptance rule, the padded layout) is the model runner's;
@@ -18,6 +20,7 @@ from replaylm.engine.request import Request
 from replaylm.speculative.adaptive import AdaptiveBudget, eager_tiers
 from replaylm.speculative.config import SpecConfig
 from replaylm.speculative.drafter import make_drafter
+from replaylm.speculative.pipeline import VerifyPipeline
 from replaylm.speculative.protocol import Drafter
 from replaylm.speculative.stats import SpecStats
 
@@ -45,10 +48,17 @@ class Speculation:
             tiers = runner.policy.token_tiers + [
                 t for t in eager_tiers(core.args.max_num_batched_tokens) if t > top]
             self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens)
-        # Plain steps overlap (``EngineCore.overlap``) only while the adaptive budget coasts,
-        # and only for drafters without device state.
-        self.overlaps = self.budget is not None and draft_runner is None
+        # Overlap scheduling (``EngineCore.overlap``) is for drafters without device state:
+        # plain steps while the adaptive budget coasts, pipelined verify steps with the fixed
+        # budget.
+        self.overlaps = draft_runner is None
+        self.pipeline: VerifyPipeline | None = None
+        if self.overlaps and self.budget is None and core.args.overlap_scheduling and (
+                spec.pipeline == "on"
+                or (spec.pipeline == "auto" and runner.device.type == "cuda")):
+            self.pipeline = VerifyPipeline(spec.pipeline)
         self._last_end: float | None = None  # end of the previous step that launched work
+        self._waited = 0.0  # this step's wait for the device (seconds)
 
     def use(self, drafter: Drafter) -> None:
         """Propose drafts with ``drafter`` from the next step on; the rest of the configuration
@@ -61,33 +71,47 @@ class Speculation:
 
     def step(self) -> tuple[Launched | None, list[RequestDelta]]:
         """One step: propose drafts (or, coasting, a shadow round), launch, resolve. A step
-        that verifies drafts resolves before returning; a plain one may stay in flight."""
-        core, budget = self.core, self.budget
+        that verifies drafts resolves before returning unless it is pipelined (one cohort's
+        step stays in flight while the next call builds the other's); a plain one may stay
+        in flight."""
+        core, budget, pipeline = self.core, self.budget, self.pipeline
         deltas: list[RequestDelta] = []
+        hold: set[Request] = set()
+        self._waited = 0.0
         if budget is not None and budget.coasting and core.overlap:
             self._shadow_round()
+        elif pipeline is not None and pipeline.active:
+            hold = self._propose_cohort(pipeline)
         else:
             if core.inflight is not None:  # drafts continue every request's latest token
                 deltas += self._resolve(core.due(None, keep_in_flight=False)[0])
                 self._last_end = None  # this step's time includes the previous one's wait
             self._propose_drafts()
-        out = core.scheduler.schedule()
+        out = core.scheduler.schedule(hold)
         launched, errors = core.launch(out)
         deltas += errors
         if launched is not None:
             self.stats.record_launch(out.scheduled, out.num_batched_tokens, launched.padded,
                                      core.runner.layout_pad_tokens)
         verified = launched is not None and any(s.drafts for s in out.scheduled)
-        keep = core.overlap and not verified
+        # Pipelined, the step stays in flight while held requests can go next (the other
+        # cohort, resolved below, or ready ones beyond this cohort); else nothing overlaps it.
+        keep = core.overlap and (not verified or bool(hold))
+        if verified and keep:
+            self.stats.pipelined_steps += 1
         due = core.due(launched, keep_in_flight=keep)
         for step in due:
             deltas += self._resolve(step)
         if budget is not None:
             self._observe(budget, launched, due, verified)
+        elif pipeline is not None:
+            self._observe_pipeline(pipeline, launched, verified)
         return launched, deltas
 
     def _resolve(self, step: Launched) -> list[RequestDelta]:
+        t0 = time.perf_counter()
         sampled = self.core.wait(step)
+        self._waited += time.perf_counter() - t0
         for req, k, accepted in self.stats.record_resolve(step.out.scheduled, sampled):
             if self.budget is not None:
                 self.budget.observe_verify(req, k, accepted)
@@ -109,6 +133,16 @@ class Speculation:
             budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
                                 self._generating, self._base_tokens)
 
+    def _observe_pipeline(self, pipeline: VerifyPipeline, launched: Launched | None,
+                          verified: bool) -> None:
+        """A verify step's host time and wait for the device (``VerifyPipeline.observe``),
+        from the end of the previous step that launched work to the end of this one."""
+        now = time.perf_counter()
+        if verified and self._last_end is not None:
+            wall = now - self._last_end
+            pipeline.observe(wall - self._waited, self._waited)
+        self._last_end = now if launched is not None else None
+
     # Drafting ------------------------------------------------------------------------------
 
     def _decoding(self) -> list[Request]:
@@ -117,7 +151,7 @@ class Speculation:
         row, each from the drafts before it (``structured.masks``)."""
         return [r for r in self.core.scheduler.running
                 if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens
-                and r.grammar is None]
+                and r.grammar is None and not r.num_pending]
 
     def _generating(self) -> list[Request]:
         """Running requests with output tokens (with a step in flight, a decoding request's
@@ -154,6 +188,25 @@ class Speculation:
             kept = self.budget.choose([r for r, _ in able], self._base_tokens(),
                                       [k for _, k in able])
             self.stats.budget_tokens += sum(kept)
+
+    def _propose_cohort(self, pipeline: VerifyPipeline) -> set[Request]:
+        """Pipelined: drafts for this step's cohort, the ready requests up to half of all
+        drafting ones (``VerifyPipeline.cohort``); returns the requests held out of the step:
+        those with a sample in flight (the other cohort; their next drafts need it) and the
+        ready ones past the cohort. Requests with structured outputs never draft and are
+        never held."""
+        running = self.core.scheduler.running
+        for r in running:
+            r.draft_tokens = []
+        busy = [r for r in running if r.num_pending and r.grammar is None]
+        ready = self._decoding()
+        take = pipeline.cohort(len(busy), len(ready))
+        cohort = ready[:take]
+        t0 = time.perf_counter()
+        for r, drafts in zip(cohort, self.drafter.propose(cohort, self._draft_room(cohort))):
+            r.draft_tokens = drafts
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return {*busy, *ready[take:]}
 
     def _shadow_round(self) -> None:
         """Coasting (``speculative.adaptive``): shadow proposals that learn acceptance

@@ -18,6 +18,8 @@ METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"),
 BUDGETS = ("fixed", "adaptive")
 #: How a verify step is laid out and run (``SpecConfig.verify``).
 VERIFY_LAYOUTS = ("ragged", "padded", "eager")
+#: Whether verify steps run as two alternating cohorts (``SpecConfig.pipeline``).
+PIPELINE_MODES = ("auto", "on", "off")
 
 FIELD = "EngineArgs.speculative_config"
 
@@ -33,7 +35,11 @@ class SpecConfig:
     step (a token tier's graph); ``padded`` lays every decoding request out as
     ``num_speculative_tokens + 1`` query tokens (the uniform layout, keyed by request count
     × (k + 1)), its padding rows writing the scratch block and sampling nothing; ``eager``
-    runs verify steps without graphs. The three emit the same tokens.
+    runs verify steps without graphs. The three emit the same tokens. ``pipeline``: with
+    overlap scheduling and the fixed budget, whether the decoding requests verify in two
+    cohorts that take turns, one cohort's step on the GPU while the host prepares the
+    other's (``speculative.pipeline``): ``auto`` on a GPU while the host's time per step
+    exceeds its wait for the device, ``on`` always, ``off`` never.
 
     ``draft_model`` only (``engine.draft_model``): ``model``, the draft model (a checkpoint
     directory or a named shape) sharing the target's vocabulary; ``draft_confidence``, the
@@ -48,6 +54,7 @@ class SpecConfig:
     prompt_lookup_max: int = 4
     budget: str = "fixed"
     verify: str = "ragged"
+    pipeline: str = "auto"
     model: str | None = None
     draft_confidence: float | None = None
     num_draft_kv_blocks: int | None = None
@@ -90,6 +97,9 @@ class SpecConfig:
         if cfg.verify not in VERIFY_LAYOUTS:
             raise ValueError(f"{FIELD}['verify']={cfg.verify!r} is invalid: choose one of "
                              f"{list(VERIFY_LAYOUTS)}")
+        if cfg.pipeline not in PIPELINE_MODES:
+            raise ValueError(f"{FIELD}['pipeline']={cfg.pipeline!r} is invalid: choose one of "
+                             f"{list(PIPELINE_MODES)}")
         return cfg
 
     def _check_draft_keys(self) -> None:

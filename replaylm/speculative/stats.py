@@ -39,6 +39,7 @@ class SpecStats:
     draft_seconds: float = 0.0  # wall time of the drafter's proposals (a draft model's steps)
     draft_forwards: int = 0  # draft model steps run (catch-up and draft steps)
     coast_steps: int = 0  # adaptive budget: plain overlapped steps run while it does not pay
+    pipelined_steps: int = 0  # verify steps left in flight while the next cohort's was built
 
     def record_launch(self, scheduled: Sequence[Any], real: int, padded: int,
                       layout_pad: int = 0) -> None:
@@ -95,6 +96,7 @@ class SpecStats:
             "draft_ms_per_step": 1000 * self.draft_seconds / max(1, self.steps),
             "draft_forwards_per_step": self.draft_forwards / max(1, self.steps),
             "coast_steps": self.coast_steps,
+            "pipelined_steps": self.pipelined_steps,
             "padded_waste": 1 - self.verify_step_tokens / self.verify_step_padded_tokens
             if self.verify_step_padded_tokens else 0.0,
             "verify_step_tokens": self.verify_step_tokens,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replaylm.bench.spec_drafters import ControlledDrafter
-from replaylm.bench.spec_plan import Options, engine_plan
+from replaylm.bench.spec_plan import Options, config_of, engine_plan
 from replaylm.cli.main import main
 from tests.bench.png import assert_png
 
@@ -128,3 +128,15 @@ def test_plan_builds_each_engine_once_plain_first():
     assert roles["fixed-k8"] == {"layout", "controlled", "ngram"}
     assert roles["adaptive-k8"] == {"controlled", "ngram"}
     assert {"verify-padded-k8", "verify-eager-k8", "draft-model", "self-draft"} <= set(labels)
+
+
+def test_plan_runs_fixed_k_with_each_pipeline_setting():
+    plan = {label: (spec, roles) for label, spec, roles in
+            engine_plan(Options(parts=("acceptance",), ks=(4,), pipelines=("on", "off")),
+                        "default")}
+    assert set(plan) == {"plain", "fixed-k4-pipeline-on", "fixed-k4-pipeline-off",
+                         "adaptive-k4"}
+    assert plan["fixed-k4-pipeline-on"][0]["pipeline"] == "on"
+    assert plan["fixed-k4-pipeline-off"][0]["pipeline"] == "off"
+    assert config_of("fixed-k4-pipeline-off", plan["fixed-k4-pipeline-off"][0])[
+        "pipeline"] == "off"

@@ -36,6 +36,8 @@ from replaylm.speculative.ngram import NgramDrafter
       "prompt_lookup_max": 2}, "['prompt_lookup_min']=3"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key 'lookahead'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "budget": "magic"}, "['budget']='magic'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "pipeline": "always"},
+     "['pipeline']='always'"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_config_names_the_field(cfg, needle):
