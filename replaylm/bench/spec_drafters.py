@@ -136,10 +136,13 @@ class ControlledDrafter:
         vocab = self.vocab
 
         def accept(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            dev = tokens.device
-            rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-            drafts_t = torch.tensor(drafts, dtype=tokens.dtype).to(dev, non_blocking=True)
-            right_t = torch.tensor(right).to(dev, non_blocking=True)
+            # One copy from pinned memory: a pageable one would wait for the stream to drain
+            # (the forward just launched, and with pipelined verify steps the one before).
+            staged = torch.tensor([rows, drafts, right], dtype=torch.int64)
+            if tokens.is_cuda:
+                staged = staged.pin_memory()
+            rows_t, drafts_t, right_t = staged.to(tokens.device, non_blocking=True)
+            drafts_t, right_t = drafts_t.to(tokens.dtype), right_t.bool()
             wrong = (drafts_t + 1) % vocab
             sampled = tokens.index_select(0, rows_t)
             new = torch.where(right_t, drafts_t,

@@ -30,6 +30,7 @@ from replaylm.engine.step_input import (
     prompt_plan,
     sent_to_group,
 )
+from replaylm.graphs.buffers import StepUploads
 from replaylm.graphs.policy import Dispatch, GraphPolicy, resolve_mode
 from replaylm.graphs.runtime import Agree, GraphRuntime
 from replaylm.kernels import compile_plan
@@ -230,6 +231,10 @@ class ModelRunner(RunnerStartup, KVSizing, RunnerMemory):
             self.buffers.sampling = self.sampler.state
             self.sampler.tail_draws = True
         self.last_token = self.buffers.last_token  # [S+1]: each slot's newest sample
+        # A verify's rows (drafts, segment starts, penalty counts): room for a whole step's
+        # tokens several times over (``StepUploads``).
+        self.uploads = StepUploads(
+            4 * args.max_num_batched_tokens if self.spec is not None else 0, self.device)
         self.layout_pad_tokens = 0  # padded verify layout: the latest step's padding rows
         self.tune_seconds = self._tune_kernels()
         jit_before = self._jit_snapshot()
@@ -332,17 +337,15 @@ class ModelRunner(RunnerStartup, KVSizing, RunnerMemory):
         slots = batch.sample_slots[:n]
         # Penalties, logit_bias, min_p, min_tokens and logprobs (when asked) then sampling.
         host_view = None
+        draft_counts = None
         if host.draft_next is not None:  # a verify: rows past a rejected draft read -1
-            draft_next = torch.from_numpy(host.draft_next).to(self.device, non_blocking=True)
-            seg_start = torch.from_numpy(host.seg_start).to(self.device, non_blocking=True)
+            draft_next, seg_start, count_rows, count_tokens = self.uploads.upload(
+                host.draft_next, host.seg_start, host.draft_count_rows, host.draft_count_tokens)
 
             def host_view(tokens: torch.Tensor) -> torch.Tensor:
                 return torch.where(emitted_rows(tokens, draft_next, seg_start), tokens, -1)
-        draft_counts = None
-        if host.draft_count_rows is not None:  # penalties see the drafts before each row
-            draft_counts = (
-                torch.from_numpy(host.draft_count_rows).to(self.device, non_blocking=True),
-                torch.from_numpy(host.draft_count_tokens).to(self.device, non_blocking=True))
+            if count_rows is not None:  # penalties see the drafts before each row
+                draft_counts = (count_rows, count_tokens)
         pending = self.sampler.run(SampleRows(
             logits, slots, batch.sample_out_pos[:n], host.sample_slots.tolist(), plan, samples,
             host_view, draft_counts, accept))

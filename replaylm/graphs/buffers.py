@@ -241,3 +241,43 @@ def _fill(name: str, dst: np.ndarray, src: np.ndarray, n: int, pad: int) -> None
     k = len(src)
     dst[:k] = src
     dst[k:n] = pad
+
+
+class StepUploads:
+    """A step's small per-row arrays (a verify's drafts and segment starts, its penalty
+    counts) copied to the device without waiting for it: PyTorch copies from pageable host
+    memory only after the stream drains, which would hold the host until the step in flight
+    (and the forward just launched) finished. Two pinned staging rows alternate like
+    ``StaticBuffers``'; all of a step's arrays travel in one copy into one device row, which
+    the next step's copy overwrites only after this step's kernels in stream order. A step
+    whose arrays exceed ``capacity`` elements copies them from pageable memory."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.device = device
+        self._stages = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin)
+                        for _ in range(2)]
+        self._dev = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._flip = 0
+
+    def upload(self, *arrays: np.ndarray | None) -> list[torch.Tensor | None]:
+        """Device int64 copies of ``arrays`` (None stays None), valid for this step only."""
+        total = sum(len(a) for a in arrays if a is not None)
+        if total > len(self._dev):
+            return [None if a is None else torch.from_numpy(a).to(self.device, non_blocking=True)
+                    for a in arrays]
+        stage = self._stages[self._flip]
+        self._flip ^= 1
+        staged = stage.numpy()
+        spans: list[tuple[int, int] | None] = []
+        at = 0
+        for a in arrays:
+            if a is None:
+                spans.append(None)
+                continue
+            staged[at: at + len(a)] = a
+            spans.append((at, at + len(a)))
+            at += len(a)
+        if at:
+            self._dev[:at].copy_(stage[:at], non_blocking=True)
+        return [None if s is None else self._dev[s[0]: s[1]] for s in spans]

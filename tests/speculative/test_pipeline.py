@@ -179,3 +179,19 @@ def test_held_requests_sit_the_step_out():
     sched, a, b = decoder_and_prompt()
     assert [(s.request, s.num_new_tokens) for s in sched.schedule(hold={a}).scheduled] == [
         (b, 40)]
+
+
+def test_step_uploads_stage_a_steps_rows_in_one_row():
+    import numpy as np
+    import torch
+
+    from replaylm.graphs.buffers import StepUploads
+
+    up = StepUploads(8, torch.device("cpu"))
+    a, b = np.array([3, 1, 4], dtype=np.int64), np.array([1, 5], dtype=np.int64)
+    got = up.upload(a, None, b)
+    assert got[1] is None and got[0].tolist() == [3, 1, 4] and got[2].tolist() == [1, 5]
+    assert got[0].data_ptr() == up._dev.data_ptr()  # staged: views of the one device row
+    big = np.arange(9, dtype=np.int64)
+    (over,) = up.upload(big)  # past capacity: its own copy
+    assert over.tolist() == big.tolist() and over.data_ptr() != up._dev.data_ptr()
