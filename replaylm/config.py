@@ -75,7 +75,8 @@ _HELP: dict[str, str] = {
     "fused_kernels": "fused Triton kernels for norms, SiLU and rotary+KV write (CUDA with the "
     "triton attention backend)",
     "overlap_scheduling": "build and launch step N+1 while the GPU runs step N (samples reach "
-    "the host one step late; stop checks lag one step)",
+    "the host one step late; stop checks lag one step); with speculative decoding, plain "
+    "steps and pipelined verify steps (speculative_config 'pipeline')",
     "poison_padding": "debug: padded tokens carry NaN activations so a padding leak shows",
     "pdl": "programmatic dependent launch of the Triton kernels (each may start while the one "
     "before finishes): auto = on from compute capability 9.0",
