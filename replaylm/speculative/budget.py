@@ -11,9 +11,14 @@ decoding, and a larger ``D`` must do strictly better to be chosen.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
+
+#: Up to this many candidate draft tokens the chooser runs in plain Python: numpy's fixed
+#: cost per call (some twenty calls) is most of a choice at batch 1.
+SMALL = 64
 
 
 def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
@@ -30,13 +35,17 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     expected tokens per second beat plain decoding's by more than the share ``margin``.
     """
     n = len(alphas)
-    tiers = np.array([t for t, _ in tier_costs])
-    costs = np.array([c for _, c in tier_costs])
-    i = int(np.searchsorted(tiers, base_tokens))
-    if i == len(tiers) or not n:
+    tier_list = [t for t, _ in tier_costs]
+    i = bisect_left(tier_list, base_tokens)
+    if i == len(tier_list) or not n:
         return [0] * n
     if base_cost is None:
-        base_cost = float(costs[i])
+        base_cost = tier_costs[i][1]
+    if sum(m for a, m in zip(alphas, max_drafts) if a > 0) <= SMALL:
+        return _choose_small(tier_list, [c for _, c in tier_costs], base_tokens, alphas,
+                             max_drafts, base_cost, margin)
+    tiers = np.array(tier_list)
+    costs = np.array([c for _, c in tier_costs])
     # Every request's marginal gains alpha**j (j = 1 .. its most drafts), best first (ties:
     # the lower request index); the first D of them are the best use of D draft tokens.
     most = np.array([m if a > 0 else 0 for a, m in zip(alphas, max_drafts)], dtype=np.int64)
@@ -52,3 +61,27 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     if rates[best] <= n / base_cost * (1 + max(margin, 1e-9)):
         return [0] * n
     return np.bincount(owner[order[:best + 1]], minlength=n).tolist()
+
+
+def _choose_small(tiers: list[int], costs: list[float], base_tokens: int,
+                  alphas: Sequence[float], max_drafts: Sequence[int], base_cost: float,
+                  margin: float) -> list[int]:
+    """``choose_budget`` for few candidate drafts, in plain Python: the same gains, the same
+    order (best first, ties to the lower request index) and the same choice."""
+    n = len(alphas)
+    gains = [(a ** j, i) for i, (a, m) in enumerate(zip(alphas, max_drafts)) if a > 0
+             for j in range(1, m + 1)]
+    gains.sort(key=lambda g: -g[0])  # stable: equal gains keep the lower index first
+    del gains[tiers[-1] - base_tokens:]  # the top tier holds
+    best, best_rate, cum = -1, 0.0, 0.0
+    for d, (gain, _) in enumerate(gains, start=1):
+        cum += gain
+        rate = (n + cum) / costs[bisect_left(tiers, base_tokens + d)]
+        if rate > best_rate:
+            best, best_rate = d, rate
+    if best < 0 or best_rate <= n / base_cost * (1 + max(margin, 1e-9)):
+        return [0] * n
+    ks = [0] * n
+    for _, i in gains[:best]:
+        ks[i] += 1
+    return ks

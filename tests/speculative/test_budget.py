@@ -340,3 +340,24 @@ def test_acceptance_estimate_tracks_the_per_draft_probability(p):
             seen.append(r.spec_acceptance)
     assert sum(seen) / len(seen) == pytest.approx(p, abs=0.04)
     assert b.acceptance == r.spec_acceptance  # one request: the engine's ratio is its own
+
+
+def test_small_choices_in_python_equal_numpys(monkeypatch):
+    """Up to ``SMALL`` candidate drafts the chooser runs in plain Python; on random
+    staircases (some whose top tier caps the drafts), acceptances (zeros, ones, ties) and
+    margins it chooses what numpy does."""
+    from replaylm.speculative import budget
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tiers = sorted(rng.sample(range(1, rng.choice([50, 600])), rng.randint(1, 12)))
+        tc = list(zip(tiers, sorted(rng.uniform(0.5e-3, 5e-3) for _ in tiers)))
+        n = rng.randint(0, 8)
+        alphas = [rng.choice([0.0, 1.0, 0.5, rng.random()]) for _ in range(n)]
+        most = [rng.randint(0, 8) for _ in range(n)]
+        args = (tc, rng.randint(1, 40), alphas, most,
+                rng.choice([None, rng.uniform(0.3e-3, 3e-3)]), rng.choice([0.0, 0.02]))
+        monkeypatch.setattr(budget, "SMALL", -1)
+        want = budget.choose_budget(*args)
+        monkeypatch.setattr(budget, "SMALL", 10**9)
+        assert budget.choose_budget(*args) == want, args
