@@ -91,10 +91,15 @@ def staircase(tiers: Sequence[int], measured: dict[int, float],
     linearly between the nearest measured tiers on either side (never below the one below);
     above every measured tier, what the highest costs. Below every measured tier the line
     starts from ``floor`` at the first tier (None: what the lowest measured tier costs).
-    Empty when nothing is known."""
+    A measured tier costs at most what any larger measured tier does: a step of fewer
+    tokens does not take longer, and a tier measured rarely can keep a slow time (a pause,
+    a noisy neighbour) that would make the chooser avoid it. Empty when nothing is known."""
     if not measured and floor is None:
         return []
     known = sorted(measured.items())
+    for j in range(len(known) - 2, -1, -1):  # capped by the tiers above
+        if known[j][1] > known[j + 1][1]:
+            known[j] = (known[j][0], known[j + 1][1])
     if not known or tiers[0] < known[0][0]:
         known.insert(0, (tiers[0], floor if floor is not None else known[0][1]))
     out, i = [], 0

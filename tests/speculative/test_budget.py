@@ -114,6 +114,12 @@ def test_adaptive_budget_learns_costs_and_acceptance():
     # Tiers below every measured one: the floor given (a plain step's cost), else the lowest.
     assert lone.staircase(floor=1.0) == [(4, 1.0), (8, 2.0), (16, 2.0)]
     assert lone.staircase() == [(4, 2.0), (8, 2.0), (16, 2.0)]
+    # A tier measured above a larger one costs what the larger one does.
+    lone.observe_step(4, 2.5, verified=True)
+    lone.observe_step(16, 2.2, verified=True)
+    assert lone.staircase() == [(4, 2.0), (8, 2.0), (16, 2.2)]
+    lone.observe_step(8, 1.8, verified=True)
+    assert lone.staircase() == [(4, 1.8), (8, 1.8), (16, 2.2)]
     b.observe_step(8, 2.6, verified=True)
     b.observe_step(16, 5.2, verified=True)
     good, bad = _Req([1, 2, 3, 4]), _Req([5, 6, 7, 8])
