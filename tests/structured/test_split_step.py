@@ -172,15 +172,21 @@ def test_forward_runs_before_the_wait_and_outputs_are_unchanged(mode, reference,
         assert {k: g.graph.replays for k, g in runtime.whole.tails.items()} == replays
 
 
-@pytest.mark.parametrize("mode", ["eager", "ragged"])
-def test_verify_steps_with_constrained_rows(mode, reference):
+@pytest.mark.parametrize("mode, pipeline", [("eager", "off"), ("ragged", "off"),
+                                            ("eager", "on"), ("ragged", "on")])
+def test_verify_steps_with_constrained_rows(mode, pipeline, reference):
     """N-gram drafts for the free requests: verify steps carry constrained rows (one each,
-    they never draft), and every output is the reference's."""
+    they never draft), and every output is the reference's. Pipelined, the constrained
+    requests are never held: they decode in both cohorts' steps, each step's masks waiting
+    for the other cohort's step in flight."""
     llm = _engine(mode, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                            "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+                                            "pipeline": pipeline})
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert _tokens(outs) == reference
-    assert llm.spec_stats()["draft_tokens"] > 0
+    st = llm.spec_stats()
+    assert st["draft_tokens"] > 0
+    assert (st["pipelined_steps"] > 0) == (pipeline == "on")
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
