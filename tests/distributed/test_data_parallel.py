@@ -121,20 +121,24 @@ def test_ragged_dp2_matches_dp1_and_an_idle_rank_replays_the_agreed_tier(ckpt):
     assert not any(p.is_alive() for p in llm.engine.procs)
 
 
-def test_speculative_dp2_matches_plain_dp1(ckpt):
+@pytest.mark.parametrize("pipeline", ["auto", "on"])
+def test_speculative_dp2_matches_plain_dp1(ckpt, pipeline):
     """n-gram drafts verified on two ranks (ragged graphs through the stand-in, checked and
     poisoned): the tokens of one plain engine, drafts accepted, and the ranks' counters
-    summed. Prompts repeat a span so prompt lookup finds drafts."""
+    summed. Prompts repeat a span so prompt lookup finds drafts. Pipelined, each rank's
+    cohorts take turns while the ranks agree on every step's tier."""
     spans = [[5 + (13 * i + 7 * j) % 200 for j in range(4 + i % 3)] for i in range(6)]
     prompts = [(s * 5)[: 4 + 3 * len(s)] for s in spans]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = _tokens(LLM(str(ckpt), **_kw("ragged")), prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "pipeline": pipeline}
     with LLM(str(ckpt), data_parallel_size=2, speculative_config=spec, **_kw("ragged")) as llm:
         assert _tokens(llm, prompts, params) == want
         st = llm.spec_stats()
         ranks = llm.graph_stats()["ranks"]
     assert st["draft_tokens"] > 0 and st["verify_steps"] > 0
+    assert (st["pipelined_steps"] > 0) == (pipeline == "on")
     assert st["num_speculative_tokens"] == 3 and st["budget"] == "fixed"
     assert ranks[0]["agreement_steps"] == ranks[1]["agreement_steps"] > 0
 

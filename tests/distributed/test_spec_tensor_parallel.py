@@ -68,12 +68,14 @@ def ngram_seeded(target) -> list[list[int]]:
                    _seeded(len(PROMPTS)))
 
 
-@pytest.mark.parametrize("mode,verify", [("ragged", "ragged"), ("ragged", "padded"),
-                                         ("eager", "ragged")])
-def test_ngram_tp2_matches_tp1(target, plain, ngram_seeded, mode, verify):
+@pytest.mark.parametrize("mode,verify,pipeline", [
+    ("ragged", "ragged", "auto"), ("ragged", "padded", "auto"), ("eager", "ragged", "auto"),
+    ("ragged", "ragged", "on")])
+def test_ngram_tp2_matches_tp1(target, plain, ngram_seeded, mode, verify, pipeline):
     """Greedy: the tokens of plain decoding on one rank, drafts accepted. Seeded sampling
-    with penalties: the tokens of speculative decoding on one rank."""
-    spec = NGRAM | {"verify": verify}
+    with penalties: the tokens of speculative decoding on one rank. Pipelined, the ranks
+    run the cohorts' steps in the leader's launch order."""
+    spec = NGRAM | {"verify": verify, "pipeline": pipeline}
     with LLM(str(target), tensor_parallel_size=2, speculative_config=spec,
              **_kw_spec(mode)) as llm:
         assert _tokens(llm) == plain
@@ -81,6 +83,7 @@ def test_ngram_tp2_matches_tp1(target, plain, ngram_seeded, mode, verify):
         assert st["verify_steps"] > 0 and st["accepted_tokens"] > 0
         assert (st["layout_pad_tokens"] > 0) == (verify == "padded")
         assert _tokens(llm, _seeded(len(PROMPTS))) == ngram_seeded
+        assert (llm.spec_stats()["pipelined_steps"] > 0) == (pipeline == "on")
         graphs = llm.graph_stats()
     if mode != "eager":  # verifies replayed, checked bit for bit, padding poisoned
         assert graphs["checks"] > 0 and sum(graphs["hits"].values()) > 0
