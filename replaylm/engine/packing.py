@@ -7,6 +7,9 @@ import numpy as np
 from replaylm.batch import BLOCK_SIZE, HostBatch
 from replaylm.engine.scheduler import SchedulerOutput
 
+#: Runs of up to this many tokens (verify steps) get their KV slots in plain Python.
+SMALL_RUN = 32
+
 
 def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int = 0,
                      max_model_len: int | None = None) -> HostBatch:
@@ -77,6 +80,10 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
         if n == 1:
             positions.append(start)
             slots.append(blocks[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE)
+        elif n <= SMALL_RUN:  # a verify's few tokens: numpy's per-call cost would dominate
+            positions.extend(range(start, end))
+            slots.extend([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                          for p in range(start, end)])
         else:
             pos = np.arange(start, end)
             b = np.asarray(blocks, dtype=np.int64)
