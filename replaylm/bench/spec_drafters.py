@@ -136,8 +136,9 @@ class ControlledDrafter:
         vocab = self.vocab
 
         def accept(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            # One copy from pinned memory: a pageable one would wait for the stream to drain
-            # (the forward just launched, and with pipelined verify steps the one before).
+            # One copy from pinned memory: the driver may make a pageable one wait for the
+            # stream (the forward just launched, and with pipelined verify steps the one
+            # before it).
             staged = torch.tensor([rows, drafts, right], dtype=torch.int64)
             if tokens.is_cuda:
                 staged = staged.pin_memory()
