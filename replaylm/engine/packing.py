@@ -7,7 +7,8 @@ import numpy as np
 from replaylm.batch import BLOCK_SIZE, HostBatch
 from replaylm.engine.scheduler import SchedulerOutput
 
-#: Runs of up to this many tokens (verify steps) get their KV slots in plain Python.
+#: Runs of up to this many tokens (verifies, short prompt chunks) get their KV slots in plain
+#: Python: numpy's cost per call would be most of their packing.
 SMALL_RUN = 32
 
 
@@ -80,7 +81,7 @@ def build_host_batch(out: SchedulerOutput, max_blocks: int, pad_verify_to: int =
         if n == 1:
             positions.append(start)
             slots.append(blocks[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE)
-        elif n <= SMALL_RUN:  # a verify's few tokens: numpy's per-call cost would dominate
+        elif n <= SMALL_RUN:
             positions.extend(range(start, end))
             slots.extend([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                           for p in range(start, end)])
