@@ -77,7 +77,8 @@ def test_spec_matches_plain_under_preemption(qwen3_dir, mode):
         assert gs["checks"] > 0 and sum(gs["hits"].values()) > 0
 
 
-def test_spec_with_prefix_hits_and_n(qwen3_dir):
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_spec_with_prefix_hits_and_n(qwen3_dir, pipeline):
     kw = dict(num_kv_blocks=40, enable_prefix_caching=True)
     shared = [7, 8, 9, 10] * 9  # two full blocks shared by every prompt
     prompts = [shared + [11 + i, 12, 13] * 3 for i in range(4)]
@@ -90,10 +91,11 @@ def test_spec_with_prefix_hits_and_n(qwen3_dir):
         return [[c.token_ids for c in o.outputs] for o in outs]
 
     expected = run(_engine(qwen3_dir, "eager", **kw))
-    llm = _engine(qwen3_dir, "ragged", NGRAM, **kw)
+    llm = _engine(qwen3_dir, "ragged", NGRAM | {"pipeline": pipeline}, **kw)
     assert run(llm) == expected
     assert llm.stats().prefix_cache_hit_tokens > 0
     assert llm.spec_stats()["accepted_tokens"] > 0
+    assert (llm.spec_stats()["pipelined_steps"] > 0) == (pipeline == "on")
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(qwen3_dir):
@@ -116,20 +118,23 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(qwen3_dir):
     assert spec.engine.block_manager.num_used_blocks == 0
 
 
-def test_logprobs_match_plain(qwen3_dir):
-    prompt = [30, 31, 32] * 8
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_logprobs_match_plain(qwen3_dir, pipeline):
+    prompts = [[30, 31, 32] * 8, [40, 41] * 10, [50, 51, 52, 53] * 5]
     sp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2, ignore_eos=True)
-    want = _engine(qwen3_dir, "eager").generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    llm = _engine(qwen3_dir, "eager", NGRAM)
-    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    assert got.token_ids == want.token_ids
-    assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
-    for a, b in zip(got.logprobs, want.logprobs):
-        assert (a.token_id, a.rank, a.top.keys()) == (b.token_id, b.rank, b.top.keys())
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-        for t in a.top:
-            assert a.top[t] == pytest.approx(b.top[t], abs=1e-4)
+    wants = _engine(qwen3_dir, "eager").generate(prompts, sp, use_tqdm=False)
+    llm = _engine(qwen3_dir, "eager", NGRAM | {"pipeline": pipeline})
+    for got, want in zip(llm.generate(prompts, sp, use_tqdm=False), wants):
+        got, want = got.outputs[0], want.outputs[0]
+        assert got.token_ids == want.token_ids
+        assert len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert (a.token_id, a.rank, a.top.keys()) == (b.token_id, b.rank, b.top.keys())
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            for t in a.top:
+                assert a.top[t] == pytest.approx(b.top[t], abs=1e-4)
     assert llm.spec_stats()["accepted_tokens"] > 0
+    assert (llm.spec_stats()["pipelined_steps"] > 0) == (pipeline == "on")
 
 
 def test_speculation_is_off_by_default(qwen3_dir):
