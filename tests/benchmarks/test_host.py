@@ -30,3 +30,14 @@ def test_host_bench_runs_a_real_model() -> None:
     """``model``: the named model runs for real (here the built-in one on the CPU)."""
     times, _ = host_step_ms(requests=2, steps=4, prompt_len=8, model="default")
     assert 3 <= len(times) <= 4 and all(t > 0 for t in times)
+
+
+def test_host_bench_runs_verify_steps() -> None:
+    """``spec_k``: every draft accepted at acceptance 1, so 12 tokens take a prefill and
+    about three verify steps of 3 drafts + 1; pipelined, the two cohorts take a step each."""
+    plain, _ = host_step_ms(requests=4, steps=12, prompt_len=8)
+    spec, _ = host_step_ms(requests=4, steps=12, prompt_len=8, spec_k=3, acceptance=1.0)
+    piped, _ = host_step_ms(requests=4, steps=12, prompt_len=8, spec_k=3, acceptance=1.0,
+                            pipeline="on")
+    assert len(spec) <= 4 < len(plain)
+    assert len(spec) < len(piped) <= 2 * len(spec) + 2
