@@ -174,15 +174,8 @@ class Speculation:
         """Ask the drafter for each decoding request's next drafts (``Request.draft_tokens``).
         Penalties apply per output position in a verify (each row counts the drafts before
         it), so requests with penalties draft too."""
-        for r in self.core.scheduler.running:
-            r.draft_tokens = []
         reqs = self._decoding()
-        room = self._draft_room(reqs)
-        t0 = time.perf_counter()
-        proposals = self.drafter.propose(reqs, room)
-        for r, drafts in zip(reqs, proposals):
-            r.draft_tokens = drafts
-        self.stats.draft_seconds += time.perf_counter() - t0
+        room = self._draft(reqs)
         if self.budget is not None:
             able = [(r, k) for r, k in zip(reqs, room) if k > 0]
             kept = self.budget.choose([r for r, _ in able], self._base_tokens(),
@@ -195,18 +188,23 @@ class Speculation:
         those with a sample in flight (the other cohort; their next drafts need it) and the
         ready ones past the cohort. Requests with structured outputs never draft and are
         never held."""
-        running = self.core.scheduler.running
-        for r in running:
-            r.draft_tokens = []
-        busy = [r for r in running if r.num_pending and r.grammar is None]
+        busy = [r for r in self.core.scheduler.running if r.num_pending and r.grammar is None]
         ready = self._decoding()
         take = pipeline.cohort(len(busy), len(ready))
-        cohort = ready[:take]
+        self._draft(ready[:take])
+        return {*busy, *ready[take:]}
+
+    def _draft(self, reqs: list[Request]) -> list[int]:
+        """``reqs``' drafts from the drafter (every other running request's cleared); returns
+        how many drafts each had room for."""
+        for r in self.core.scheduler.running:
+            r.draft_tokens = []
+        room = self._draft_room(reqs)
         t0 = time.perf_counter()
-        for r, drafts in zip(cohort, self.drafter.propose(cohort, self._draft_room(cohort))):
+        for r, drafts in zip(reqs, self.drafter.propose(reqs, room)):
             r.draft_tokens = drafts
         self.stats.draft_seconds += time.perf_counter() - t0
-        return {*busy, *ready[take:]}
+        return room
 
     def _shadow_round(self) -> None:
         """Coasting (``speculative.adaptive``): shadow proposals that learn acceptance

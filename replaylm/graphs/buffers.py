@@ -246,13 +246,12 @@ def _fill(name: str, dst: np.ndarray, src: np.ndarray, n: int, pad: int) -> None
 class StepUploads:
     """A step's small per-row arrays (a verify's drafts and segment starts, its penalty
     counts) copied to the device from pinned memory. A copy from pageable memory is staged
-    by the CUDA driver, which may first wait for the stream: measured on the H100, verify
-    steps copying these rows from pageable memory were slower (fixed K = 8 at batch 1: 11%)
-    and pipelined ones barely overlapped (``docs/benchmarks.md``). Two pinned staging rows
-    alternate like
-    ``StaticBuffers``'; all of a step's arrays travel in one copy into one device row, which
-    the next step's copy overwrites only after this step's kernels in stream order. A step
-    whose arrays exceed ``capacity`` elements copies them from pageable memory."""
+    by the CUDA driver, which may first wait for the stream: verify steps copying these rows
+    from pageable memory measured slower, and pipelined ones barely overlapped
+    (``docs/benchmarks.md``). Two pinned staging rows alternate like ``StaticBuffers``'; all
+    of a step's arrays travel in one copy into one device row, which the next step's copy
+    overwrites only after this step's kernels in stream order. A step whose arrays exceed
+    ``capacity`` elements copies them from pageable memory."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         pin = device.type == "cuda"
