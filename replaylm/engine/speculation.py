@@ -44,16 +44,17 @@ class Speculation:
             self.use(make_drafter(spec))
         self.budget: AdaptiveBudget | None = None
         if spec.budget == "adaptive":
+            graphed = runner.policy.token_tiers
             top = runner.policy.top_tier
-            tiers = runner.policy.token_tiers + [
+            tiers = graphed + [
                 t for t in eager_tiers(core.args.max_num_batched_tokens) if t > top]
-            self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens)
+            self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens,
+                                         graph_top=max(graphed) if graphed else None)
         # Overlap scheduling (``EngineCore.overlap``) is for drafters without device state:
-        # plain steps while the adaptive budget coasts, pipelined verify steps with the fixed
-        # budget.
+        # plain steps while the adaptive budget coasts, and pipelined verify steps.
         self.overlaps = draft_runner is None
         self.pipeline: VerifyPipeline | None = None
-        if self.overlaps and self.budget is None and core.args.overlap_scheduling and (
+        if self.overlaps and core.args.overlap_scheduling and (
                 spec.pipeline == "on"
                 or (spec.pipeline == "auto" and runner.device.type == "cuda")):
             self.pipeline = VerifyPipeline(spec.pipeline)
@@ -78,7 +79,11 @@ class Speculation:
         deltas: list[RequestDelta] = []
         hold: set[Request] = set()
         self._waited = 0.0
+        if budget is not None:
+            budget.pipelined = pipeline is not None and pipeline.active
         if budget is not None and budget.coasting and core.overlap:
+            # Coasting starts on a step that chose no drafts: what it leaves in flight is
+            # plain (a pipelined one resolved the other cohort's verify).
             self._shadow_round()
         elif pipeline is not None and pipeline.active:
             hold = self._propose_cohort(pipeline)
@@ -102,10 +107,16 @@ class Speculation:
         due = core.due(launched, keep_in_flight=keep)
         for step in due:
             deltas += self._resolve(step)
+        now = time.perf_counter()
         if budget is not None:
-            self._observe(budget, launched, due, verified)
-        elif pipeline is not None:
-            self._observe_pipeline(pipeline, launched, verified)
+            self._observe(budget, launched, due, verified, keep, now)
+        if pipeline is not None and verified and self._last_end is not None:
+            wall = now - self._last_end  # ``VerifyPipeline.observe``: host time and wait
+            pipeline.observe(wall - self._waited, self._waited)
+        self._last_end = now if launched is not None else None
+        if budget is not None and budget.coasting and budget.shadow:
+            budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
+                                self._generating, self._base_tokens)
         return launched, deltas
 
     def _resolve(self, step: Launched) -> list[RequestDelta]:
@@ -118,30 +129,17 @@ class Speculation:
         return self.core.apply(step, sampled)
 
     def _observe(self, budget: AdaptiveBudget, launched: Launched | None,
-                 due: list[Launched], verified: bool) -> None:
-        """The step's cost: end of the previous step to the end of this one, counted where it
-        includes a wait for the GPU (plain with overlap: the previous step's; otherwise its
-        own, after a step that left nothing in flight)."""
-        now = time.perf_counter()
+                 due: list[Launched], verified: bool, in_flight: bool, now: float) -> None:
+        """The step's cost: end of the previous step to the end of this one (``now``),
+        counted where it includes a wait for the GPU (plain with overlap: the previous
+        step's; a pipelined cohort's: the other cohort's; otherwise its own, after a step
+        that left nothing in flight)."""
         steady = bool(due) and (verified or not self.core.overlap or due[0] is not launched)
         if launched is not None and self._last_end is not None and steady:
             tier = (launched.dispatch.tier if launched.dispatch.graphed
                     else budget.tier_of(launched.out.num_batched_tokens))
-            budget.observe_step(tier, now - self._last_end, verified)
-        self._last_end = now if launched is not None else None
-        if budget.coasting and budget.shadow:
-            budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
-                                self._generating, self._base_tokens)
-
-    def _observe_pipeline(self, pipeline: VerifyPipeline, launched: Launched | None,
-                          verified: bool) -> None:
-        """A verify step's host time and wait for the device (``VerifyPipeline.observe``),
-        from the end of the previous step that launched work to the end of this one."""
-        now = time.perf_counter()
-        if verified and self._last_end is not None:
-            wall = now - self._last_end
-            pipeline.observe(wall - self._waited, self._waited)
-        self._last_end = now if launched is not None else None
+            budget.observe_step(tier, now - self._last_end, verified, cohort=in_flight,
+                                waited=self._waited)
 
     # Drafting ------------------------------------------------------------------------------
 
@@ -162,11 +160,13 @@ class Speculation:
         k = self.spec.num_speculative_tokens
         return [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
 
-    def _base_tokens(self) -> int:
+    def _base_tokens(self, hold: set[Request] | frozenset = frozenset()) -> int:
         """The next step's tokens without drafts, as the scheduler will likely lay them out:
-        every running request's uncomputed tokens, then waiting prompts, in the budget."""
+        every running request's uncomputed tokens (but ``hold``'s), then waiting prompts, in
+        the budget."""
         sched = self.core.scheduler
-        base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sched.running
+                   if r not in hold)
         base += sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
         return max(1, min(base, self.core.args.max_num_batched_tokens))
 
@@ -191,8 +191,15 @@ class Speculation:
         busy = [r for r in self.core.scheduler.running if r.num_pending and r.grammar is None]
         ready = self._decoding()
         take = pipeline.cohort(len(busy), len(ready))
-        self._draft(ready[:take])
-        return {*busy, *ready[take:]}
+        cohort = ready[:take]
+        room = self._draft(cohort)
+        hold = {*busy, *ready[take:]}
+        if self.budget is not None:
+            able = [(r, k) for r, k in zip(cohort, room) if k > 0]
+            kept = self.budget.choose([r for r, _ in able], self._base_tokens(hold),
+                                      [k for _, k in able], others=len(hold))
+            self.stats.budget_tokens += sum(kept)
+        return hold
 
     def _draft(self, reqs: list[Request]) -> list[int]:
         """``reqs``' drafts from the drafter (every other running request's cleared); returns

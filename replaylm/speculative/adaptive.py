@@ -5,16 +5,22 @@ Costs are learnt online as the wall time between the ends of consecutive steps, 
 tier (a graph's token tier, or for eager steps the next power of two) as the least of the
 last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a collection
 pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
-drafts (resolved before the next step is built), and ``plain_costs`` for plain steps run
-with overlap scheduling (the CPU builds step N+1 while the GPU runs step N), which is what
-decoding without speculation costs. An unmeasured verify tier is taken to cost what a
+drafts and resolve before the next step is built, ``cohort_costs`` for pipelined ones (a
+cohort's step, in flight while the other cohort's is built: ``speculative.pipeline``), and
+``plain_costs`` for plain steps run with overlap scheduling (the CPU builds step N+1 while
+the GPU runs step N), which is what decoding without speculation costs. A cohort's drafts
+pay where its step's expected tokens per second beat plain decoding of every request in
+one step, the other cohort's included. An unmeasured verify tier is taken to cost what a
 line between the measured tiers on either side says; below every measured tier the line
 starts from what a plain step costs (the least a verify could cost), and above them all it
 stays at the highest one's cost. So the chooser tries an unmeasured tier where it would
 pay at that estimate, and the step measures it; each measurement narrows the estimates of
 the tiers around it, so a few tries find where speculation stops paying (with a flat
 estimate below the lowest measured tier, the chooser would try every tier on the way down,
-a bad step each at 64 requests).
+a bad step each at 64 requests). Drafts never take a step that fits the graphed tiers
+(``graph_top``) past them: an eager step of that many tokens launches its kernels one by
+one and costs several graphed steps, so even trying one costs more than it could win; a
+step already past them without drafts (prefill chunks) may add drafts on the eager tiers.
 
 Acceptance per request is the ratio of two decayed sums: drafts accepted and drafts tried
 (a verify of ``k`` drafts that accepts ``a`` tried ``a + 1`` of them, or ``k`` when it
@@ -31,11 +37,14 @@ step's cost says nothing about a plain one's, which overlaps the host's work.
 Coasting: when a step's choice is zero drafts, speculation does not pay at the current
 estimates, and the engine runs plain overlapped steps (no drafting, no host sync) until it
 would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposals from the
-drafter on their known tokens, never verified: once the tokens they guessed have been
-generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
-proposals; otherwise known at the first token guessed wrong) update the acceptance
-estimates for free, and when the chooser would then verify drafts at an expected rate
-``ENTER_MARGIN`` above plain decoding's, coasting ends; a verifying engine keeps drafting
+drafter on their known tokens, never verified (a round's proposals and choices are host
+work: while the host waits for the device less than a round would add per step, the
+rounds come further apart, so that they take at most ``SHADOW_SHARE`` of the plain steps'
+time): once the tokens they guessed have been generated, the leading matches
+(``Drafter.shadow_accepted`` where a drafter judges its own proposals; otherwise known at
+the first token guessed wrong) update the acceptance estimates for free, and when the
+chooser would then verify drafts at an expected rate ``ENTER_MARGIN`` above plain
+decoding's, coasting ends; a verifying engine keeps drafting
 while drafts beat plain decoding at all (hysteresis: an estimate hovering near break-even
 does not switch modes every few steps, each switch paying for steps that measure). When the
 verify steps that follow measure costs that send it straight back (within ``SHORT_RUN``
@@ -47,6 +56,9 @@ model) never coasts.
 
 from __future__ import annotations
 
+import math
+import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,7 +71,9 @@ DECAY = 0.98  # weight left to earlier evidence per draft tried
 WINDOW = 8  # step costs: the least of this many latest times per tier
 SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
-SHADOW_EVERY = 4  # coasting: steps between rounds of shadow proposals
+SHADOW_EVERY = 4  # coasting: fewest steps between rounds of shadow proposals
+SHADOW_SHARE = 0.01  # coasting: most of the plain steps' time the rounds may take
+PLAIN_WAIT_DECAY = 0.9  # weight left to the earlier plain steps' waits per step
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
 ENTER_MARGIN = 0.02  # coasting ends where drafts are expected to beat plain by this share
 
@@ -126,23 +140,31 @@ def leading_matches(drafts: Sequence[int], actual: Sequence[int]) -> int:
 
 
 class AdaptiveBudget:
-    def __init__(self, tiers: Sequence[int], num_speculative_tokens: int) -> None:
+    def __init__(self, tiers: Sequence[int], num_speculative_tokens: int,
+                 graph_top: int | None = None) -> None:
         self.tiers = sorted(set(tiers))
         self.k = num_speculative_tokens
+        self.graph_top = graph_top  # the top graphed token tier (None: every step is eager)
         self.costs: dict[int, float] = {}  # verify steps: tier -> seconds
+        self.cohort_costs: dict[int, float] = {}  # pipelined verify steps: tier -> seconds
         self.plain_costs: dict[int, float] = {}  # plain overlapped steps: tier -> seconds
         self._times: dict[int, deque[float]] = {}
+        self._cohort_times: dict[int, deque[float]] = {}
         self._plain_times: dict[int, deque[float]] = {}
         # The latest staircase of each kind, with what it was built from: the chooser runs
         # every step, and the costs settle within a few steps.
-        self._stairs: tuple[Any, list[tuple[int, float]]] = (None, [])
+        self._stairs: dict[bool, tuple[Any, list[tuple[int, float]]]] = {}
         self._plain_stairs: tuple[Any, dict[int, float]] = (None, {})
+        self.pipelined = False  # verify steps run as two cohorts (set by the engine)
         self._counts = (PRIOR, 1.0)  # decayed (accepted, tried) over every request
         self.acceptance = PRIOR  # their ratio
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
+        self._round_s = 0.0  # seconds the latest shadow round took (proposals and choices)
+        self._plain_s = 0.0  # what the latest plain step's tier costs
+        self._plain_wait = 0.0  # decayed mean wait for the device in plain steps (seconds)
         self.hold = 0  # coasting steps before shadow evidence may end a stretch
         self._coasted = 0  # steps of the current coasting stretch
         self._verify_run: int | None = None  # choices since a shadow-ended stretch
@@ -150,14 +172,21 @@ class AdaptiveBudget:
     def tier_of(self, num_tokens: int) -> int | None:
         return round_up(self.tiers, num_tokens)
 
-    def observe_step(self, tier: int | None, seconds: float, verified: bool) -> None:
-        """A step's wall time (end of the previous step to end of this one)."""
+    def observe_step(self, tier: int | None, seconds: float, verified: bool,
+                     cohort: bool = False, waited: float = 0.0) -> None:
+        """A step's wall time (end of the previous step to end of this one); ``cohort``: a
+        pipelined verify step; ``waited``: the part the host spent waiting for the
+        device."""
         if tier is None:
             return
-        if verified:
+        if verified and cohort:
+            _observe(self._cohort_times, self.cohort_costs, tier, seconds)
+        elif verified:
             _observe(self._times, self.costs, tier, seconds)
         else:
             _observe(self._plain_times, self.plain_costs, tier, seconds)
+            self._plain_s = self.plain_costs[tier]
+            self._plain_wait += (1 - PLAIN_WAIT_DECAY) * (waited - self._plain_wait)
 
     def estimate(self, req: Any) -> float:
         return getattr(req, "spec_acceptance", self.acceptance)
@@ -170,12 +199,16 @@ class AdaptiveBudget:
         self._counts = _decayed(self._counts, accepted, tried)
         self.acceptance = self._counts[0] / self._counts[1]
 
-    def staircase(self, floor: float | None = None) -> list[tuple[int, float]]:
-        """Verify steps' costs per tier (``floor``: below every measured tier)."""
-        key = (floor, tuple(self.costs.items()))
-        if self._stairs[0] != key:
-            self._stairs = (key, staircase(self.tiers, self.costs, floor))
-        return self._stairs[1]
+    def staircase(self, floor: float | None = None, cohort: bool = False,
+                  ) -> list[tuple[int, float]]:
+        """Verify steps' costs per tier (``floor``: below every measured tier; ``cohort``:
+        pipelined ones')."""
+        costs = self.cohort_costs if cohort else self.costs
+        key = (floor, tuple(costs.items()))
+        cached = self._stairs.get(cohort)
+        if cached is None or cached[0] != key:
+            cached = self._stairs[cohort] = (key, staircase(self.tiers, costs, floor))
+        return cached[1]
 
     def plain_cost(self, num_tokens: int) -> float | None:
         """Seconds of a plain overlapped step of ``num_tokens`` tokens (None: not measured)."""
@@ -186,20 +219,27 @@ class AdaptiveBudget:
         return self._plain_stairs[1].get(tier) if tier is not None else None
 
     def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int],
-                margin: float = 0.0) -> list[int]:
+                margin: float = 0.0, others: int = 0) -> list[int]:
+        """``others``: the other cohort's decoding tokens (a pipelined step), which plain
+        decoding would run in the same step."""
         base_cost = self.plain_cost(base_tokens)
-        if base_cost is None:  # plain decoding first: what speculation has to beat
+        plain_cost = self.plain_cost(base_tokens + others)
+        if base_cost is None or plain_cost is None:  # plain decoding first: the rate to beat
             return [0] * len(reqs)
-        return choose_budget(self.staircase(floor=base_cost), base_tokens,
-                             [self.estimate(r) for r in reqs], max_drafts, base_cost=base_cost,
-                             margin=margin)
+        stairs = self.staircase(floor=base_cost, cohort=others > 0)
+        if self.graph_top is not None and base_tokens <= self.graph_top:
+            stairs = stairs[:bisect_right(self.tiers, self.graph_top)]
+        return choose_budget(stairs, base_tokens, [self.estimate(r) for r in reqs], max_drafts,
+                             base_cost=base_cost, margin=margin,
+                             base_rate=(len(reqs) + others) / plain_cost)
 
     def choose(self, reqs: Sequence[Any], base_tokens: int,
-               room: Sequence[int] | None = None) -> list[int]:
+               room: Sequence[int] | None = None, others: int = 0) -> list[int]:
         """Trim each request's ``draft_tokens`` to its share of this step's budget; returns
         the draft counts kept. ``reqs``: the requests with room for a draft (those without
         proposals keep none), ``room``: how many drafts each has room for before its
-        ``max_tokens``. With no request (a prefill step, or only requests at their last
+        ``max_tokens``, ``others``: a pipelined step's other cohort (its decoding tokens).
+        With no request (a prefill step, or only requests at their last
         token) there is nothing to decide and the state stays. Before any plain step is
         measured, none are kept (the plain steps that follow measure what speculation has
         to beat). A choice of none starts coasting, unless it is none only because requests
@@ -208,13 +248,13 @@ class AdaptiveBudget:
         if not reqs:
             return []
         most = [len(r.draft_tokens) for r in reqs]
-        ks = self._choice(reqs, base_tokens, most)
+        ks = self._choice(reqs, base_tokens, most, others=others)
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
         if not self.last_choice and room is not None:
             full = [self.k if n == m < self.k else n for n, m in zip(most, room)]
-            if full != most and sum(self._choice(reqs, base_tokens, full)):
+            if full != most and sum(self._choice(reqs, base_tokens, full, others=others)):
                 return ks
         self.coasting = not self.last_choice
         if self._verify_run is not None:
@@ -232,24 +272,34 @@ class AdaptiveBudget:
 
     def shadow_round(self, drafter: Any,
                      candidates: Callable[[], tuple[Sequence[Any], Sequence[int]]]) -> None:
-        """One coasting step. Every ``SHADOW_EVERY`` of them: proposals for up to
+        """One coasting step. Every :meth:`shadow_interval` of them: proposals for up to
         ``SHADOW_REQUESTS`` of the ``candidates()`` (requests with output, and how many
         drafts each has room for) that have none outstanding; the other steps read no
         request."""
         self._since_shadow += 1
         self._coasted += 1
-        if self._since_shadow < SHADOW_EVERY:
+        if self._since_shadow < self.shadow_interval():
             return
         self._since_shadow = 0
+        start = time.perf_counter()
         reqs, room = candidates()
         pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
         pick = pick[:SHADOW_REQUESTS]
-        if not pick:
-            return
-        for (r, _), drafts in zip(pick, drafter.propose([r for r, _ in pick],
-                                                        [k for _, k in pick])):
-            if drafts:
-                self.shadow[r] = (r.num_output_tokens, list(drafts))
+        if pick:
+            for (r, _), drafts in zip(pick, drafter.propose([r for r, _ in pick],
+                                                            [k for _, k in pick])):
+                if drafts:
+                    self.shadow[r] = (r.num_output_tokens, list(drafts))
+        self._round_s = time.perf_counter() - start
+
+    def shadow_interval(self) -> int:
+        """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while the
+        latest round (its proposals and choices) fits in the host's waits for the device
+        over that many plain steps, else as many as keep it within ``SHADOW_SHARE`` of the
+        plain steps' time."""
+        if not self._plain_s or self._round_s <= SHADOW_EVERY * self._plain_wait:
+            return SHADOW_EVERY
+        return max(SHADOW_EVERY, math.ceil(self._round_s / (SHADOW_SHARE * self._plain_s)))
 
     def shadow_check(self, judge: Callable[[Any, list[int], list[int]], int] | None,
                      running: Callable[[], Sequence[Any]],
@@ -277,8 +327,15 @@ class AdaptiveBudget:
             scored = True
         if not scored or self._coasted < self.hold:
             return
+        start = time.perf_counter()
         reqs = running()
-        if reqs and sum(self._choice(reqs, base_tokens(), [self.k] * len(reqs), ENTER_MARGIN)):
+        others = len(reqs) // 2 if self.pipelined else 0  # the cohort verifying next
+        cohort = reqs[:len(reqs) - others]
+        enter = bool(reqs) and sum(self._choice(cohort, base_tokens() - others,
+                                                [self.k] * len(cohort), ENTER_MARGIN,
+                                                others)) > 0
+        self._round_s += time.perf_counter() - start
+        if enter:
             self.coasting = False
             self.shadow.clear()
             self._verify_run = 0

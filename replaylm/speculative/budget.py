@@ -23,7 +23,8 @@ SMALL = 64
 
 def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
                   alphas: Sequence[float], max_drafts: Sequence[int],
-                  base_cost: float | None = None, margin: float = 0.0) -> list[int]:
+                  base_cost: float | None = None, margin: float = 0.0,
+                  base_rate: float | None = None) -> list[int]:
     """Draft tokens per request maximising expected emitted tokens per second.
 
     ``base_tokens``: the step's tokens without drafts (one per decoding request plus prefill
@@ -32,7 +33,8 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     the costs of steps that verify drafts; ``base_cost``, when known, is what a step
     without drafts costs (plain decoding, which overlaps the host's work with the GPU's),
     else the staircase's cost of ``base_tokens``. Drafts are chosen only where their
-    expected tokens per second beat plain decoding's by more than the share ``margin``.
+    expected tokens per second beat plain decoding's (``base_rate``, or else
+    ``len(alphas) / base_cost``) by more than the share ``margin``.
     """
     n = len(alphas)
     tier_list = [t for t, _ in tier_costs]
@@ -41,9 +43,11 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
         return [0] * n
     if base_cost is None:
         base_cost = tier_costs[i][1]
+    if base_rate is None:
+        base_rate = n / base_cost
     if sum(m for a, m in zip(alphas, max_drafts) if a > 0) <= SMALL:
         return _choose_small(tier_list, [c for _, c in tier_costs], base_tokens, alphas,
-                             max_drafts, base_cost, margin)
+                             max_drafts, base_rate, margin)
     tiers = np.array(tier_list)
     costs = np.array([c for _, c in tier_costs])
     # Every request's marginal gains alpha**j (j = 1 .. its most drafts), best first (ties:
@@ -58,13 +62,13 @@ def choose_budget(tier_costs: Sequence[tuple[int, float]], base_tokens: int,
     d = np.arange(1, order.size + 1)
     rates = (n + np.cumsum(gains[order])) / costs[np.searchsorted(tiers, base_tokens + d)]
     best = int(np.argmax(rates))  # the first of equal rates: the fewest drafts
-    if rates[best] <= n / base_cost * (1 + max(margin, 1e-9)):
+    if rates[best] <= base_rate * (1 + max(margin, 1e-9)):
         return [0] * n
     return np.bincount(owner[order[:best + 1]], minlength=n).tolist()
 
 
 def _choose_small(tiers: list[int], costs: list[float], base_tokens: int,
-                  alphas: Sequence[float], max_drafts: Sequence[int], base_cost: float,
+                  alphas: Sequence[float], max_drafts: Sequence[int], base_rate: float,
                   margin: float) -> list[int]:
     """``choose_budget`` for few candidate drafts, in plain Python: the same gains, the same
     order (best first, ties to the lower request index) and the same choice."""
@@ -79,7 +83,7 @@ def _choose_small(tiers: list[int], costs: list[float], base_tokens: int,
         rate = (n + cum) / costs[bisect_left(tiers, base_tokens + d)]
         if rate > best_rate:
             best, best_rate = d, rate
-    if best < 0 or best_rate <= n / base_cost * (1 + max(margin, 1e-9)):
+    if best < 0 or best_rate <= base_rate * (1 + max(margin, 1e-9)):
         return [0] * n
     ks = [0] * n
     for _, i in gains[:best]:

@@ -36,7 +36,7 @@ class SpecConfig:
     ``num_speculative_tokens + 1`` query tokens (the uniform layout, keyed by request count
     × (k + 1)), its padding rows writing the scratch block and sampling nothing; ``eager``
     runs verify steps without graphs. The three emit the same tokens. ``pipeline``: with
-    overlap scheduling and the fixed budget, whether the decoding requests verify in two
+    overlap scheduling and a host drafter, whether the decoding requests verify in two
     cohorts that take turns, one cohort's step on the GPU while the host prepares the
     other's (``speculative.pipeline``): ``auto`` on a GPU while the host's time per step
     exceeds its wait for the device, ``on`` always, ``off`` never.

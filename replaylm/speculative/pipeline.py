@@ -28,8 +28,9 @@ few steps.
 
 ``SpecConfig.pipeline``: ``auto`` (the rule above, on a GPU: on the CPU a step runs inside
 its launch, so nothing would overlap), ``on`` (always split; tests and benchmarks) or
-``off``. The adaptive budget keeps its own plan (verify synchronously while
-drafts pay, coast with plain overlapped steps while they do not) and never pipelines.
+``off``. With the adaptive budget, each cohort's drafts are chosen by what pipelined steps
+cost against plain decoding of every request (``speculative.adaptive``), and while drafts do
+not pay the engine coasts with plain overlapped steps of every request.
 """
 
 from __future__ import annotations

@@ -229,6 +229,90 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
     assert r.spec_acceptance > est
 
 
+def test_shadow_rounds_keep_to_their_share_of_the_plain_steps_time():
+    """A round that takes half a plain step, on a host that does not wait for the device,
+    comes at most once per 1 / (2 * SHADOW_SHARE) steps; cheap rounds, or rounds that fit
+    in the host's waits, come every SHADOW_EVERY steps."""
+    import time
+
+    from replaylm.speculative import adaptive
+    from replaylm.speculative.adaptive import AdaptiveBudget
+
+    class Drafter:
+        def __init__(self, seconds):
+            self.seconds, self.calls = seconds, 0
+
+        def propose(self, reqs, room):
+            self.calls += 1
+            time.sleep(self.seconds)
+            return [[1] * k for k in room]
+
+    def rounds(plain_s, propose_s, steps, waited=0.0):
+        b = AdaptiveBudget([1, 2, 4], 3)
+        for _ in range(50):  # the decayed mean wait settles
+            b.observe_step(1, plain_s, verified=False, waited=waited)
+        b.coasting = True
+        reqs = [_Req([], output=[9]) for _ in range(steps * adaptive.SHADOW_REQUESTS)]
+        d = Drafter(propose_s)
+        for _ in range(steps):  # none of the proposals is scored: fresh requests each round
+            b.shadow_round(d, lambda: (reqs, [3] * len(reqs)))
+        return d.calls, b.shadow_interval()
+
+    steps = 4 * adaptive.SHADOW_EVERY
+    assert rounds(10.0, 0.0, steps) == (4, adaptive.SHADOW_EVERY)
+    calls, interval = rounds(0.01, 0.005, steps)
+    assert calls == 1 and interval >= 0.5 / adaptive.SHADOW_SHARE
+    assert rounds(0.01, 0.005, steps, waited=0.008) == (4, adaptive.SHADOW_EVERY)
+
+
+def test_a_cohort_beats_plain_decoding_of_every_request():
+    """A pipelined cohort's drafts are priced by what cohort steps cost and must beat plain
+    decoding of both cohorts in one step, not of the cohort alone."""
+    from replaylm.speculative.adaptive import AdaptiveBudget
+
+    b = AdaptiveBudget([1, 2, 4, 8], 1)
+    b.observe_step(2, 1.0, verified=False)
+    for tier in (2, 4):
+        b.observe_step(tier, 1.2, verified=True)
+        b.observe_step(tier, 0.6, verified=True, cohort=True)
+    assert b.cohort_costs == {2: 0.6, 4: 0.6} and b.costs == {2: 1.2, 4: 1.2}
+
+    def choice(others):
+        r = _Req([1])
+        r.spec_acceptance = 0.5
+        return b.choose([r], 1, others=others)
+
+    assert choice(others=0) == [1]  # synchronous: 1.5 / 1.2 against 1 / 1.0
+    assert choice(others=1) == [1]  # a cohort: 1.5 / 0.6 against 2 / 1.0
+    for tier in (2, 4):  # cohort steps cost more (the window forgets what it held)
+        b._cohort_times[tier].clear()
+        b.observe_step(tier, 0.8, verified=True, cohort=True)
+    assert choice(others=1) == [0]  # 1.5 / 0.8 against 2 / 1.0
+
+
+def test_drafts_stay_within_the_graphed_tiers():
+    """A step that fits the graphed tiers never takes drafts past the top one (an eager step
+    costs several graphed ones), even where the estimates say every tier is as cheap; a
+    step already past them may add drafts on the eager tiers."""
+    from replaylm.speculative.adaptive import AdaptiveBudget
+
+    def budget(graph_top):
+        b = AdaptiveBudget([1, 2, 4, 8, 16, 32], 8, graph_top=graph_top)
+        b.observe_step(2, 1.0, verified=False)
+        b.observe_step(16, 1.0, verified=False)
+        return b
+
+    def reqs():
+        out = [_Req([1] * 8), _Req([1] * 8)]
+        for r in out:
+            r.spec_acceptance = 0.9
+        return out
+
+    assert sum(budget(None).choose(reqs(), 2)) == 16  # no graphs: every tier (2 + 16 <= 32)
+    assert sum(budget(8).choose(reqs(), 2)) == 6  # 2 + 6 fills the top graphed tier
+    assert sum(budget(8).choose(reqs(), 12)) == 16  # already eager: 12 + 16 <= 32
+
+
 def test_margin_keeps_plain_decoding_where_drafts_barely_pay():
     # One request, 0.5 acceptance, 1 draft: 1.5 expected tokens; plain costs 1.0 per token.
     costs = [(1, 1.0), (2, 1.45)]

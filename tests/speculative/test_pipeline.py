@@ -106,10 +106,50 @@ def test_abort_while_its_cohort_is_in_flight(qwen3_dir):
     assert core.block_manager.num_used_blocks == 0
 
 
+def test_adaptive_budget_verifies_in_cohorts(qwen3_dir, monkeypatch):
+    """Pipelined, the adaptive budget chooses each cohort's drafts by what pipelined steps
+    cost (``cohort_costs``) against plain decoding of every request: with synchronous
+    verifies priced out and cohorts paying, the steps verify in cohorts; once cohorts stop
+    paying, coasting starts. Output equals plain decoding throughout, the scheduler's books
+    hold every step and no block leaks."""
+    from replaylm.bench.spec_drafters import ControlledDrafter
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    refs = {tuple(p): o.outputs[0].token_ids
+            for p, o in zip(prompts, _engine(qwen3_dir, "eager").generate(prompts, sp,
+                                                                          use_tqdm=False))}
+    llm = _engine(qwen3_dir, "eager", PIPELINED | {"budget": "adaptive"})
+    core, budget = llm.engine, llm.engine.budget
+    # Costs fixed (CPU step times would make it flaky): a synchronous verify never pays
+    # (5 against 1 for a plain step of every request), a cohort's does (0.6).
+    monkeypatch.setattr(budget, "observe_step", lambda *a, **k: None)
+    budget.plain_costs = dict.fromkeys(budget.tiers, 1.0)
+    budget.costs = dict.fromkeys(budget.tiers, 5.0)
+    budget.cohort_costs = dict.fromkeys(budget.tiers, 0.6)
+    budget.coasting, budget.hold = False, 0
+    core.use_drafter(ControlledDrafter(refs, 1.0, int(llm.model_config.vocab_size), 0))
+    step, launched = core.speculation.step, []
+
+    def watched():
+        out = step()
+        launched.append(out[0] is not None)
+        core.scheduler.check_integrity()
+        if sum(launched) == 8:  # cohorts stop paying: the next choice starts coasting
+            budget.cohort_costs = dict.fromkeys(budget.tiers, 5.0)
+        return out
+
+    core.speculation.step = watched
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)} == refs
+    st = llm.spec_stats()
+    assert st["pipelined_steps"] >= 3 and st["accepted_tokens"] > 0 and st["coast_steps"] > 0
+    assert core.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("spec, kw", [
     (NGRAM, {}),  # auto: the CPU runs each step inside its launch, nothing would overlap
     (NGRAM | {"pipeline": "off"}, {}),
-    (PIPELINED | {"budget": "adaptive"}, {}),  # the adaptive budget has its own plan
     (PIPELINED, {"overlap_scheduling": False}),
 ])
 def test_when_verify_steps_do_not_pipeline(qwen3_dir, spec, kw):
