@@ -227,13 +227,44 @@ def batched_sweep(batches: tuple[int, ...] = (64, 256), contexts: tuple[int, ...
     return rows
 
 
-def _batched_launch(q, k, v, cu, kv_lens, ctx: int, cfg: attn.AttnConfig):
+def ragged_tile_check(batches: tuple[int, ...] = (64, 256),
+                      contexts: tuple[int, ...] = (256, 1024), tables: int = 4) -> list[dict]:
+    """Decode-only batches (one query token per request) launched as a ``full`` graph of
+    ``batch`` requests launches them (``max_q_len`` 1) and as a ``ragged`` graph of the
+    ``batch``-token tier does (``max_q_len`` = the tier: any request may bring that many
+    tokens, so the tile is sized for it): µs per launch of each, K/V from HBM."""
+    rows = []
+    for name, hq, hkv, d in BATCHED_HEADS:
+        g_pad = attn.group_pad(hq, hkv)
+        for batch, ctx in itertools.product(batches, contexts):
+            nb = triton.cdiv(ctx, BLOCK_SIZE)
+            k = torch.randn(1 + tables * batch * nb, BLOCK_SIZE, hkv, d, device="cuda",
+                            dtype=DTYPE)
+            v = torch.randn_like(k)
+            perm = (torch.randperm(k.shape[0] - 1, device="cuda") + 1).to(torch.int32)
+            tabs = [perm[i * batch * nb:(i + 1) * batch * nb].view(batch, nb)
+                    for i in range(tables)]
+            q = torch.randn(batch, hq, d, device="cuda", dtype=DTYPE)
+            cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            kv_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+            few = attn.few_programs(q, batch, hkv)
+            row = dict(heads=name, batch=batch, ctx=ctx)
+            for label, q_bound in (("full", 1), ("ragged", batch)):
+                cfg = attn.pick_config(q_bound, g_pad, d, few)
+                fn = _batched_launch(q, k, v, cu, kv_lens, ctx, cfg, q_bound)
+                row[f"{label}_us"] = round(graph_time_us(fn, tabs, reps=2 * tables, trials=5), 2)
+                row[f"{label}_config"] = str(cfg)
+            rows.append(row)
+    return rows
+
+
+def _batched_launch(q, k, v, cu, kv_lens, ctx: int, cfg: attn.AttnConfig, max_q_len: int = 1):
     """A one-argument decode attention launch (the block table varies) for the batched
     sweep, with the engine's split count for ``ctx``."""
 
     def fn(table: torch.Tensor) -> None:
-        attn.paged_attention(q, k, v, cu, kv_lens, table, q.shape[-1] ** -0.5, max_q_len=1,
-                             max_kv_len=ctx, config=cfg)
+        attn.paged_attention(q, k, v, cu, kv_lens, table, q.shape[-1] ** -0.5,
+                             max_q_len=max_q_len, max_kv_len=ctx, config=cfg)
 
     return fn
 
@@ -297,11 +328,24 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
     ap.add_argument("--batched", action="store_true",
                     help="only the many-request decode sweep (tile configs per head shape)")
+    ap.add_argument("--ragged-tile", action="store_true",
+                    help="only decode batches with the full graph's tile against the ragged "
+                         "tier's")
     ap.add_argument("--latency", action="store_true",
                     help="only the batch-1 latency sweeps: attention and rotary launch shapes")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "the kernel benchmark needs a CUDA device"
     torch.manual_seed(0)
+    if args.ragged_tile:
+        rows = ragged_tile_check()
+        for r in rows:
+            print(f"attention {r['heads']} batch {r['batch']} ctx {r['ctx']}: full "
+                  f"{r['full_us']} us, ragged tier {r['ragged_us']} us "
+                  f"({r['ragged_us'] / r['full_us']:.2f}x; {r['ragged_config']})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.batched:
         rows = batched_sweep()
         for name, *_ in BATCHED_HEADS:
