@@ -239,12 +239,12 @@ class AdaptiveBudget:
         the draft counts kept. ``reqs``: the requests with room for a draft (those without
         proposals keep none), ``room``: how many drafts each has room for before its
         ``max_tokens``, ``others``: a pipelined step's other cohort (its decoding tokens).
-        With no request (a prefill step, or only requests at their last
-        token) there is nothing to decide and the state stays. Before any plain step is
-        measured, none are kept (the plain steps that follow measure what speculation has
-        to beat). A choice of none starts coasting, unless it is none only because requests
-        near their end have room for fewer than ``num_speculative_tokens`` drafts (one draft
-        may not pay where eight do): that step runs plain and the state stays."""
+        With no request (a prefill step, or only requests at their last token) there is
+        nothing to decide and the state stays. Before any plain step is measured, none are
+        kept (the plain steps that follow measure what speculation has to beat). A choice
+        of none starts coasting, unless it is none only because requests near their end
+        have room for fewer than ``num_speculative_tokens`` drafts (one draft may not pay
+        where eight do): that step runs plain and the state stays."""
         if not reqs:
             return []
         most = [len(r.draft_tokens) for r in reqs]
@@ -331,7 +331,7 @@ class AdaptiveBudget:
         reqs = running()
         others = len(reqs) // 2 if self.pipelined else 0  # the cohort verifying next
         cohort = reqs[:len(reqs) - others]
-        enter = bool(reqs) and sum(self._choice(cohort, base_tokens() - others,
+        enter = bool(reqs) and sum(self._choice(cohort, max(1, base_tokens() - others),
                                                 [self.k] * len(cohort), ENTER_MARGIN,
                                                 others)) > 0
         self._round_s += time.perf_counter() - start
