@@ -115,8 +115,10 @@ class Speculation:
             pipeline.observe(wall - self._waited, self._waited)
         self._last_end = now if launched is not None else None
         if budget is not None and budget.coasting and budget.shadow:
+            t0 = time.perf_counter()
             budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
                                 self._generating, self._base_tokens)
+            budget.add_shadow_time(time.perf_counter() - t0)
         return launched, deltas
 
     def _resolve(self, step: Launched) -> list[RequestDelta]:
@@ -223,7 +225,9 @@ class Speculation:
         assert self.budget is not None  # coasting is the adaptive budget's
         t0 = time.perf_counter()
         self.budget.shadow_round(self.drafter, candidates)
-        self.stats.draft_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.budget.add_shadow_time(spent)
+        self.stats.draft_seconds += spent
         self.stats.coast_steps += 1
 
 

@@ -57,7 +57,6 @@ model) never coasts.
 from __future__ import annotations
 
 import math
-import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -162,7 +161,7 @@ class AdaptiveBudget:
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
-        self._round_s = 0.0  # seconds the latest shadow round took (proposals and choices)
+        self._round_s = 0.0  # host seconds of the latest shadow round (proposals, choices)
         self._plain_s = 0.0  # what the latest plain step's tier costs
         self._plain_wait = 0.0  # decayed mean wait for the device in plain steps (seconds)
         self.hold = 0  # coasting steps before shadow evidence may end a stretch
@@ -281,7 +280,7 @@ class AdaptiveBudget:
         if self._since_shadow < self.shadow_interval():
             return
         self._since_shadow = 0
-        start = time.perf_counter()
+        self._round_s = 0.0
         reqs, room = candidates()
         pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
         pick = pick[:SHADOW_REQUESTS]
@@ -290,7 +289,12 @@ class AdaptiveBudget:
                                                             [k for _, k in pick])):
                 if drafts:
                     self.shadow[r] = (r.num_output_tokens, list(drafts))
-        self._round_s = time.perf_counter() - start
+
+    def add_shadow_time(self, seconds: float) -> None:
+        """Host seconds a ``shadow_round`` or ``shadow_check`` call took: the latest round's
+        cost, which :meth:`shadow_interval` weighs (the caller's clock, as for
+        ``observe_step``)."""
+        self._round_s += seconds
 
     def shadow_interval(self) -> int:
         """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while the
@@ -327,14 +331,12 @@ class AdaptiveBudget:
             scored = True
         if not scored or self._coasted < self.hold:
             return
-        start = time.perf_counter()
         reqs = running()
         others = len(reqs) // 2 if self.pipelined else 0  # the cohort verifying next
         cohort = reqs[:len(reqs) - others]
         enter = bool(reqs) and sum(self._choice(cohort, max(1, base_tokens() - others),
                                                 [self.k] * len(cohort), ENTER_MARGIN,
                                                 others)) > 0
-        self._round_s += time.perf_counter() - start
         if enter:
             self.coasting = False
             self.shadow.clear()
