@@ -162,6 +162,7 @@ class AdaptiveBudget:
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
         self._round_s = 0.0  # host seconds of the latest shadow round (proposals, choices)
+        self._worked = False  # the latest shadow call proposed or scored (add_shadow_time)
         self._plain_s = 0.0  # what the latest plain step's tier costs
         self._plain_wait = 0.0  # decayed mean wait for the device in plain steps (seconds)
         self.hold = 0  # coasting steps before shadow evidence may end a stretch
@@ -280,7 +281,7 @@ class AdaptiveBudget:
         if self._since_shadow < self.shadow_interval():
             return
         self._since_shadow = 0
-        self._round_s = 0.0
+        self._round_s, self._worked = 0.0, True
         reqs, room = candidates()
         pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
         pick = pick[:SHADOW_REQUESTS]
@@ -291,10 +292,13 @@ class AdaptiveBudget:
                     self.shadow[r] = (r.num_output_tokens, list(drafts))
 
     def add_shadow_time(self, seconds: float) -> None:
-        """Host seconds a ``shadow_round`` or ``shadow_check`` call took: the latest round's
-        cost, which :meth:`shadow_interval` weighs (the caller's clock, as for
-        ``observe_step``)."""
-        self._round_s += seconds
+        """Host seconds the latest ``shadow_round`` or ``shadow_check`` call took (the
+        caller's clock, as for ``observe_step``). A call that proposed or scored counts
+        toward the round's cost, which :meth:`shadow_interval` weighs; the others' few
+        microseconds come every step, however far apart the rounds are."""
+        if self._worked:
+            self._round_s += seconds
+            self._worked = False
 
     def shadow_interval(self) -> int:
         """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while the
@@ -328,7 +332,7 @@ class AdaptiveBudget:
                     continue
             del self.shadow[req]
             self.observe_verify(req, len(drafts), accepted)
-            scored = True
+            scored = self._worked = True
         if not scored or self._coasted < self.hold:
             return
         reqs = running()

@@ -262,6 +262,14 @@ def test_shadow_rounds_keep_to_their_share_of_the_plain_steps_time():
     calls, interval = rounds(0.01, 0.005, steps)
     assert calls == 1 and interval >= 0.5 / adaptive.SHADOW_SHARE - 1e-6
     assert rounds(0.01, 0.005, steps, waited=0.008) == (4, adaptive.SHADOW_EVERY)
+    b = AdaptiveBudget([1, 2, 4], 3)
+    b.observe_step(1, 0.01, verified=False)
+    b.coasting = True
+    b.shadow_round(Drafter(), lambda: ([], []))  # not a round's step: it did nothing
+    b.add_shadow_time(1.0)
+    b.shadow_check(None, lambda: [], lambda: 1)  # nothing to score
+    b.add_shadow_time(1.0)
+    assert b.shadow_interval() == adaptive.SHADOW_EVERY  # idle calls do not count
 
 
 def test_a_cohort_beats_plain_decoding_of_every_request():
