@@ -253,8 +253,8 @@ def options_from(ns: argparse.Namespace) -> Options:
         verify_k=ns.verify_k, verify_steps=ns.verify_steps, verify_warmup=ns.verify_warmup,
         e2e_batches=tuple(ns.batch_sizes), acceptance=tuple(ns.acceptance), ks=tuple(ns.ks),
         adaptive=ns.adaptive, pipelines=tuple(ns.pipelines), prompt_len=ns.prompt_len,
-        new_tokens=ns.new_tokens, warmup_tokens=ns.warmup_tokens, draft_model=ns.draft_model, draft_k=ns.draft_k,
-        seed=ns.bench_seed)
+        new_tokens=ns.new_tokens, warmup_tokens=ns.warmup_tokens, draft_model=ns.draft_model,
+        draft_k=ns.draft_k, seed=ns.bench_seed)
 
 
 def run_cli(ns: argparse.Namespace, argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ which drafts to verify is ``speculative.adaptive``'s; this module only orders th
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 from replaylm.engine.draft_model import DraftModelDrafter
 from replaylm.engine.draft_runner import DraftModelRunner
@@ -79,8 +80,6 @@ class Speculation:
         deltas: list[RequestDelta] = []
         hold: set[Request] = set()
         self._waited = 0.0
-        if budget is not None:
-            budget.pipelined = pipeline is not None and pipeline.active
         if budget is not None and budget.coasting and core.overlap:
             # Coasting starts on a step that chose no drafts: what it leaves in flight is
             # plain (a pipelined one resolved the other cohort's verify).
@@ -117,7 +116,8 @@ class Speculation:
         if budget is not None and budget.coasting and budget.shadow:
             t0 = time.perf_counter()
             budget.shadow_check(getattr(self.drafter, "shadow_accepted", None),
-                                self._generating, self._base_tokens)
+                                self._generating, self._base_tokens,
+                                pipelined=pipeline is not None and pipeline.active)
             budget.add_shadow_time(time.perf_counter() - t0)
         return launched, deltas
 
@@ -162,7 +162,7 @@ class Speculation:
         k = self.spec.num_speculative_tokens
         return [min(k, r.max_tokens - r.num_generated - 1) for r in reqs]
 
-    def _base_tokens(self, hold: set[Request] | frozenset = frozenset()) -> int:
+    def _base_tokens(self, hold: Collection[Request] = ()) -> int:
         """The next step's tokens without drafts, as the scheduler will likely lay them out:
         every running request's uncomputed tokens (but ``hold``'s), then waiting prompts, in
         the budget."""
@@ -177,12 +177,7 @@ class Speculation:
         Penalties apply per output position in a verify (each row counts the drafts before
         it), so requests with penalties draft too."""
         reqs = self._decoding()
-        room = self._draft(reqs)
-        if self.budget is not None:
-            able = [(r, k) for r, k in zip(reqs, room) if k > 0]
-            kept = self.budget.choose([r for r, _ in able], self._base_tokens(),
-                                      [k for _, k in able])
-            self.stats.budget_tokens += sum(kept)
+        self._budget_drafts(reqs, self._draft(reqs), set())
 
     def _propose_cohort(self, pipeline: VerifyPipeline) -> set[Request]:
         """Pipelined: drafts for this step's cohort, the ready requests up to half of all
@@ -194,14 +189,20 @@ class Speculation:
         ready = self._decoding()
         take = pipeline.cohort(len(busy), len(ready))
         cohort = ready[:take]
-        room = self._draft(cohort)
         hold = {*busy, *ready[take:]}
-        if self.budget is not None:
-            able = [(r, k) for r, k in zip(cohort, room) if k > 0]
-            kept = self.budget.choose([r for r, _ in able], self._base_tokens(hold),
-                                      [k for _, k in able], others=len(hold))
-            self.stats.budget_tokens += sum(kept)
+        self._budget_drafts(cohort, self._draft(cohort), hold)
         return hold
+
+    def _budget_drafts(self, reqs: list[Request], room: list[int], hold: set[Request]) -> None:
+        """With the adaptive budget, trim ``reqs``' drafts (``room``: how many each had room
+        for) to this step's choice, ``hold`` sitting the step out (``AdaptiveBudget.choose``:
+        a pipelined cohort's drafts must beat plain decoding of the held requests too)."""
+        if self.budget is None:
+            return
+        able = [(r, k) for r, k in zip(reqs, room) if k > 0]
+        kept = self.budget.choose([r for r, _ in able], self._base_tokens(hold),
+                                  [k for _, k in able], others=len(hold))
+        self.stats.budget_tokens += sum(kept)
 
     def _draft(self, reqs: list[Request]) -> list[int]:
         """``reqs``' drafts from the drafter (every other running request's cleared); returns

@@ -154,7 +154,6 @@ class AdaptiveBudget:
         # every step, and the costs settle within a few steps.
         self._stairs: dict[bool, tuple[Any, list[tuple[int, float]]]] = {}
         self._plain_stairs: tuple[Any, dict[int, float]] = (None, {})
-        self.pipelined = False  # verify steps run as two cohorts (set by the engine)
         self._counts = (PRIOR, 1.0)  # decayed (accepted, tried) over every request
         self.acceptance = PRIOR  # their ratio
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
@@ -311,11 +310,12 @@ class AdaptiveBudget:
 
     def shadow_check(self, judge: Callable[[Any, list[int], list[int]], int] | None,
                      running: Callable[[], Sequence[Any]],
-                     base_tokens: Callable[[], int]) -> None:
+                     base_tokens: Callable[[], int], pipelined: bool = False) -> None:
         """Score the shadow proposals whose tokens are now known, and end coasting when
         the chooser would verify drafts at the updated estimates (``running()``: the
         requests with output, ``base_tokens()``: the next step's tokens without drafts; both
-        read only when a proposal was scored)."""
+        read only when a proposal was scored; ``pipelined``: verify steps would run as two
+        cohorts, so the choice is a cohort's)."""
         scored = False
         for req, (at, drafts) in list(self.shadow.items()):
             if req.is_finished:
@@ -336,7 +336,7 @@ class AdaptiveBudget:
         if not scored or self._coasted < self.hold:
             return
         reqs = running()
-        others = len(reqs) // 2 if self.pipelined else 0  # the cohort verifying next
+        others = len(reqs) // 2 if pipelined else 0  # the cohort verifying next
         cohort = reqs[:len(reqs) - others]
         enter = bool(reqs) and sum(self._choice(cohort, max(1, base_tokens() - others),
                                                 [self.k] * len(cohort), ENTER_MARGIN,
