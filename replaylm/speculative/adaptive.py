@@ -40,11 +40,11 @@ would. Meanwhile every ``SHADOW_EVERY`` steps a few requests get shadow proposal
 drafter on their known tokens, never verified (a round's proposals and choices are host
 work: while the host waits for the device less than a round would add per step, the
 rounds come further apart, so that they take at most ``SHADOW_SHARE`` of the plain steps'
-time): once the tokens they guessed have been generated, the leading matches
-(``Drafter.shadow_accepted`` where a drafter judges its own proposals; otherwise known at
-the first token guessed wrong) update the acceptance estimates for free, and when the
-chooser would then verify drafts at an expected rate ``ENTER_MARGIN`` above plain
-decoding's, coasting ends; a verifying engine keeps drafting
+time, up to ``MAX_SHADOW_EVERY`` steps apart): once the tokens they guessed have been
+generated, the leading matches (``Drafter.shadow_accepted`` where a drafter judges its own
+proposals; otherwise known at the first token guessed wrong) update the acceptance
+estimates for free, and when the chooser would then verify drafts at an expected rate
+``ENTER_MARGIN`` above plain decoding's, coasting ends; a verifying engine keeps drafting
 while drafts beat plain decoding at all (hysteresis: an estimate hovering near break-even
 does not switch modes every few steps, each switch paying for steps that measure). When the
 verify steps that follow measure costs that send it straight back (within ``SHORT_RUN``
@@ -72,6 +72,7 @@ SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a fals
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: fewest steps between rounds of shadow proposals
 SHADOW_SHARE = 0.01  # coasting: most of the plain steps' time the rounds may take
+MAX_SHADOW_EVERY = 64  # coasting: most steps between rounds (evidence at least this fresh)
 PLAIN_WAIT_DECAY = 0.9  # weight left to the earlier plain steps' waits per step
 SHADOW_REQUESTS = 8  # coasting: most requests given a shadow proposal per round
 ENTER_MARGIN = 0.02  # coasting ends where drafts are expected to beat plain by this share
@@ -160,7 +161,8 @@ class AdaptiveBudget:
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
-        self._round_s = 0.0  # host seconds of the latest shadow round (proposals, choices)
+        # Host seconds of the latest WINDOW shadow rounds (proposals, then choices).
+        self._round_costs: deque[float] = deque(maxlen=WINDOW)
         self._worked = False  # the latest shadow call proposed or scored (add_shadow_time)
         self._plain_s = 0.0  # what the latest plain step's tier costs
         self._plain_wait = 0.0  # decayed mean wait for the device in plain steps (seconds)
@@ -280,7 +282,8 @@ class AdaptiveBudget:
         if self._since_shadow < self.shadow_interval():
             return
         self._since_shadow = 0
-        self._round_s, self._worked = 0.0, True
+        self._round_costs.append(0.0)
+        self._worked = True
         reqs, room = candidates()
         pick = [(r, k) for r, k in zip(reqs, room) if k > 0 and r not in self.shadow]
         pick = pick[:SHADOW_REQUESTS]
@@ -295,18 +298,23 @@ class AdaptiveBudget:
         caller's clock, as for ``observe_step``). A call that proposed or scored counts
         toward the round's cost, which :meth:`shadow_interval` weighs; the others' few
         microseconds come every step, however far apart the rounds are."""
-        if self._worked:
-            self._round_s += seconds
-            self._worked = False
+        if self._worked and self._round_costs:
+            self._round_costs[-1] += seconds
+        self._worked = False
 
     def shadow_interval(self) -> int:
-        """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while the
-        latest round (its proposals and choices) fits in the host's waits for the device
-        over that many plain steps, else as many as keep it within ``SHADOW_SHARE`` of the
-        plain steps' time."""
-        if not self._plain_s or self._round_s <= SHADOW_EVERY * self._plain_wait:
+        """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while a round
+        (its proposals and choices: the least of the latest ``WINDOW``, as for step costs,
+        so one preempted round does not space the next ones out; ``SHADOW_EVERY`` until
+        that many are measured) fits in the host's waits for the device over that many
+        plain steps, else as many as keep it within ``SHADOW_SHARE`` of the plain steps'
+        time, up to ``MAX_SHADOW_EVERY``."""
+        full = len(self._round_costs) == WINDOW
+        round_s = min(self._round_costs) if full else 0.0
+        if not self._plain_s or round_s <= SHADOW_EVERY * self._plain_wait:
             return SHADOW_EVERY
-        return max(SHADOW_EVERY, math.ceil(self._round_s / (SHADOW_SHARE * self._plain_s)))
+        return min(MAX_SHADOW_EVERY,
+                   max(SHADOW_EVERY, math.ceil(round_s / (SHADOW_SHARE * self._plain_s))))
 
     def shadow_check(self, judge: Callable[[Any, list[int], list[int]], int] | None,
                      running: Callable[[], Sequence[Any]],

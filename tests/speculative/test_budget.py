@@ -230,11 +230,13 @@ def test_coasting_learns_from_shadow_proposals_and_ends():
 
 
 def test_shadow_rounds_keep_to_their_share_of_the_plain_steps_time():
-    """A round that takes half a plain step, on a host that does not wait for the device,
-    comes at most once per 1 / (2 * SHADOW_SHARE) steps; cheap rounds, or rounds that fit
-    in the host's waits, come every SHADOW_EVERY steps."""
+    """Once WINDOW rounds are measured, rounds that take half a plain step, on a host that
+    does not wait for the device, come at most once per 1 / (2 * SHADOW_SHARE) steps, and
+    never fewer than once per MAX_SHADOW_EVERY; cheap rounds, rounds that fit in the host's
+    waits, one slow round among cheap ones, or slow rounds before WINDOW of them are
+    measured, leave them every SHADOW_EVERY steps."""
     from replaylm.speculative import adaptive
-    from replaylm.speculative.adaptive import AdaptiveBudget
+    from replaylm.speculative.adaptive import WINDOW, AdaptiveBudget
 
     class Drafter:
         def __init__(self):
@@ -244,24 +246,40 @@ def test_shadow_rounds_keep_to_their_share_of_the_plain_steps_time():
             self.calls += 1
             return [[1] * k for k in room]
 
-    def rounds(plain_s, round_s, steps, waited=0.0):
+    def rounds(plain_s, round_s, n_rounds=WINDOW, waited=0.0, slow_last=None,
+               then=4 * adaptive.SHADOW_EVERY):
+        """``n_rounds`` rounds of ``round_s`` (then one of ``slow_last``), on a budget whose
+        plain steps take ``plain_s`` and wait ``waited``; then the rounds in the next
+        ``then`` steps, and the interval."""
         b = AdaptiveBudget([1, 2, 4], 3)
         for _ in range(50):  # the decayed mean wait settles
             b.observe_step(1, plain_s, verified=False, waited=waited)
         b.coasting = True
-        reqs = [_Req([], output=[9]) for _ in range(steps * adaptive.SHADOW_REQUESTS)]
+        reqs = [_Req([], output=[9]) for _ in range((n_rounds + 20) * adaptive.SHADOW_REQUESTS)]
         d = Drafter()
-        for _ in range(steps):  # none of the proposals is scored: fresh requests each round
+
+        def step(cost):  # none of the proposals is scored: fresh requests each round
             calls = d.calls
             b.shadow_round(d, lambda: (reqs, [3] * len(reqs)))
-            b.add_shadow_time(round_s if d.calls > calls else 0.0)  # what the call took
-        return d.calls, b.shadow_interval()
+            b.add_shadow_time(cost if d.calls > calls else 0.0)  # what the call took
 
-    steps = 4 * adaptive.SHADOW_EVERY
-    assert rounds(10.0, 0.0, steps) == (4, adaptive.SHADOW_EVERY)
-    calls, interval = rounds(0.01, 0.005, steps)
-    assert calls == 1 and interval >= 0.5 / adaptive.SHADOW_SHARE - 1e-6
-    assert rounds(0.01, 0.005, steps, waited=0.008) == (4, adaptive.SHADOW_EVERY)
+        for cost in [round_s] * n_rounds + ([] if slow_last is None else [slow_last]):
+            before = d.calls
+            while d.calls == before:  # coasting steps up to the next round
+                step(cost)
+        before = d.calls
+        for _ in range(then):
+            step(round_s)
+        return d.calls - before, b.shadow_interval()
+
+    assert rounds(10.0, 0.0) == (4, adaptive.SHADOW_EVERY)
+    calls, interval = rounds(0.01, 0.005)
+    assert calls == 0 and interval >= 0.5 / adaptive.SHADOW_SHARE - 1e-6
+    assert rounds(0.01, 0.005, waited=0.008) == (4, adaptive.SHADOW_EVERY)
+    assert rounds(0.01, 10.0)[1] == adaptive.MAX_SHADOW_EVERY
+    assert rounds(10.0, 0.0, slow_last=10.0) == (4, adaptive.SHADOW_EVERY)
+    # Too few rounds measured to tell a slow host from a preempted round.
+    assert rounds(0.01, 10.0, n_rounds=WINDOW - 1, then=0) == (0, adaptive.SHADOW_EVERY)
     b = AdaptiveBudget([1, 2, 4], 3)
     b.observe_step(1, 0.01, verified=False)
     b.coasting = True
