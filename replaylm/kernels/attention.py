@@ -60,6 +60,8 @@ MIN_SPLIT_KEYS = 256
 #: Merge counters per device: split-KV runs only while requests x KV heads < SM count and
 #: queries are <= 16 per request, so tiles x KV heads stays far below this.
 MAX_SPLIT_TILES = 8192
+#: Most query tokens in one short (decode / verify) tile: see :func:`pick_config`.
+MAX_SHORT_TOKENS = 16
 _SEARCH_CHUNK = 128  # request slots examined per step of the on-device tile lookup
 
 
@@ -106,7 +108,11 @@ def pick_config(max_q_len: int, g_pad: int, head_dim: int, latency_bound: bool =
     fewer pairs than SMs (``latency_bound``, see :func:`few_programs`) and 128-wide heads
     they take the latency tile: 64-key blocks, one stage, and splits from 64 keys, so
     split-KV spreads even a short context over more programs. Larger launches take the
-    prefill tile. The numbers come from sweeps on an H200
+    prefill tile. A short tile holds at most ``MAX_SHORT_TOKENS`` query tokens: a ``ragged``
+    graph's launch is sized for a prefill chunk as long as its tier (``max_q_len`` = the
+    tier) but mostly runs decode steps, one query row per request, and taller tiles would
+    compute that many empty rows for each of them; a chunk takes one tile per
+    ``MAX_SHORT_TOKENS`` of its tokens instead. The numbers come from sweeps on an H200
     (``benchmarks/kernels.py --sweep``): 128-key blocks with 4 warps read at ~4.3 TB/s;
     64x64 tiles with 4 warps, 2 stages gave the best causal prefill. At batch 1 with
     Qwen3-0.6B's 128-wide heads (contexts 64-288) the latency tile averaged 5.2 µs against
@@ -114,8 +120,9 @@ def pick_config(max_q_len: int, g_pad: int, head_dim: int, latency_bound: bool =
     64-wide heads it made decode about 1% slower, so narrower heads keep the bandwidth
     tile.
     """
-    small_m = max(16, g_pad * _next_pow2(max(1, max_q_len)))
-    if small_m <= 64:
+    tokens = _next_pow2(max(1, max_q_len))
+    if g_pad * tokens <= 64:
+        small_m = max(16, g_pad * min(tokens, MAX_SHORT_TOKENS))
         if latency_bound and head_dim >= 128:
             return AttnConfig(block_m=small_m, block_n=64, num_warps=4, num_stages=1,
                               min_split_keys=64)

@@ -136,6 +136,21 @@ def test_split_choice_is_host_only(kernels):
     assert attn.pick_config(512, 2, 128, latency_bound=True) == attn.pick_config(512, 2, 128)
 
 
+def test_ragged_tier_tile_holds_few_query_tokens(kernels):
+    """A launch sized for a 64-token tier without GQA (a ragged graph's) takes 16-token
+    tiles, as a decode launch does, not 64 rows of which a decode request fills one; a
+    prefill chunk longer than a tile spans several and stays exact."""
+    attn = kernels.attn
+    assert attn.pick_config(64, 1, 128).block_m == attn.MAX_SHORT_TOKENS
+    assert attn.pick_config(64, 1, 128).block_n == attn.pick_config(1, 1, 128).block_n
+    assert attn.pick_config(32, 2, 128).block_m == 2 * attn.MAX_SHORT_TOKENS
+    assert attn.pick_config(64, 4, 64) == attn.pick_config(4096, 4, 64)  # the prefill tile
+    cfg = attn.pick_config(64, 1, 32)
+    q, kc, vc, meta = make_batch([40, 1, 1, 9], [52, 17, 3, 30], hq=2, hkv=2, d=32,
+                                 pad_tokens=2, pad_slots=1, seed=3)
+    check_attn(run_attn(kernels, q, kc, vc, meta, num_splits=1, config=cfg), q, kc, vc, meta)
+
+
 def test_backend_forward_and_warmup(kernels):
     backend = kernels.backend
     assert backend.name == "triton" and backend.graph_safe
