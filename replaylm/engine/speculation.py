@@ -59,6 +59,8 @@ class Speculation:
                 spec.pipeline == "on"
                 or (spec.pipeline == "auto" and runner.device.type == "cuda")):
             self.pipeline = VerifyPipeline(spec.pipeline)
+        # The top graphed token tier (0: none), past which a step runs eagerly.
+        self._graph_top = max(runner.policy.token_tiers, default=0)
         self._last_end: float | None = None  # end of the previous step that launched work
         self._waited = 0.0  # this step's wait for the device (seconds)
 
@@ -111,7 +113,8 @@ class Speculation:
             self._observe(budget, launched, due, verified, keep, now)
         if pipeline is not None and verified and self._last_end is not None:
             wall = now - self._last_end  # ``VerifyPipeline.observe``: host time and wait
-            pipeline.observe(wall - self._waited, self._waited)
+            pipeline.observe(wall - self._waited, self._waited,
+                             sync_eager=self._sync_eager(launched, pipelined=keep))
         self._last_end = now if launched is not None else None
         if budget is not None and budget.coasting and budget.shadow:
             t0 = time.perf_counter()
@@ -120,6 +123,17 @@ class Speculation:
                                 pipelined=pipeline is not None and pipeline.active)
             budget.add_shadow_time(time.perf_counter() - t0)
         return launched, deltas
+
+    def _sync_eager(self, launched: Launched, pipelined: bool) -> bool:
+        """Whether a synchronous verify of every request would pass the top graphed tier
+        while a cohort's (half of them) fits it, judged from this verify step's tokens
+        (``VerifyPipeline.observe``). Fixed K only: the adaptive budget keeps a step that
+        fits the graphed tiers within them (``AdaptiveBudget.graph_top``)."""
+        if self.budget is not None or not self._graph_top:
+            return False
+        tokens = launched.out.num_batched_tokens
+        sync, cohort = (2 * tokens, tokens) if pipelined else (tokens, -(-tokens // 2))
+        return cohort <= self._graph_top < sync
 
     def _resolve(self, step: Launched) -> list[RequestDelta]:
         t0 = time.perf_counter()

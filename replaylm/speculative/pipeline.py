@@ -21,7 +21,12 @@ instead of one), so it pays only where the host's share of a step is the larger:
 
 Both cases come to one rule on measured times: pipeline while the host's time per step
 exceeds its wait for the device (``VerifyPipeline.observe``, averaged over about the last
-``1 / (1 - DECAY)`` steps, ``MARGIN`` either way). Leaving the pipelined mode is followed by
+``1 / (1 - DECAY)`` steps, ``MARGIN`` either way). The rule assumes both modes replay
+graphs. Where a synchronous verify of every request would pass the top graphed token tier
+and a cohort's would not (fixed K at many requests: 64 requests with 8 drafts each are 576
+tokens), the synchronous step runs eagerly, launching its kernels one by one at the cost of
+several graphed steps, and its long wait for the device would keep the rule from
+pipelining; there the engine pipelines whatever the times say (``sync_eager``). Leaving the pipelined mode is followed by
 at least ``COOLDOWN`` synchronous steps, twice that after each further exit (up to
 ``MAX_COOLDOWN``), so two rules that disagree near the boundary cannot flip the mode every
 few steps.
@@ -63,10 +68,18 @@ class VerifyPipeline:
         cohorts form from one and stay balanced as requests come and go."""
         return min(ready, -(-(busy + ready) // 2))
 
-    def observe(self, host_s: float, wait_s: float) -> None:
+    def observe(self, host_s: float, wait_s: float, sync_eager: bool = False) -> None:
         """One step's host time (its wall time less ``wait_s``) and its wait for the device,
-        in the current mode; ``active`` may change (never when ``forced``)."""
+        in the current mode; ``active`` may change (never when ``forced``). ``sync_eager``:
+        a synchronous verify of every request would run eagerly past the graphed tiers,
+        while a cohort's replays a graph; the engine pipelines, and measures afresh once
+        that no longer holds."""
         if self.forced:
+            return
+        if sync_eager:
+            if not self.active:
+                self._switch(True)
+            self.measured = self.cooldown = 0
             return
         if self.cooldown:
             self.cooldown -= 1

@@ -187,6 +187,41 @@ def test_the_rule_follows_host_time_against_the_wait():
     assert p.next_cooldown == pipeline_mod.MAX_COOLDOWN
 
 
+def test_a_synchronous_step_past_the_graphs_pipelines():
+    """Where a synchronous verify would run eagerly past the graphed tiers and a cohort's
+    would not, the engine pipelines at once (even in a cooldown) and stays while that holds,
+    however long it waits for the device; then the timing rule takes over afresh."""
+    p = VerifyPipeline("auto")
+    p.cooldown = COOLDOWN
+    p.observe(0.5e-3, 10e-3, sync_eager=True)
+    assert p.active and p.cooldown == 0
+    for _ in range(4 * WARMUP):
+        p.observe(0.5e-3, 10e-3, sync_eager=True)
+    assert p.active and p.switches == 1
+    assert _steps_to_switch(p, 0.5e-3, 10e-3) == WARMUP  # device-bound, graphed: leave
+
+
+def test_which_synchronous_steps_would_run_eagerly(qwen3_dir):
+    """Judged from a verify step's tokens against the top graphed tier: a synchronous step
+    of all requests past it, with half of them within it; fixed K only."""
+    from types import SimpleNamespace
+
+    def step(tokens):
+        return SimpleNamespace(out=SimpleNamespace(num_batched_tokens=tokens))
+
+    spec = _engine(qwen3_dir, "ragged", NGRAM).engine.speculation
+    top = spec._graph_top
+    assert top > 0
+    assert not spec._sync_eager(step(top), pipelined=False)
+    assert spec._sync_eager(step(top + 2), pipelined=False)
+    assert not spec._sync_eager(step(2 * top + 2), pipelined=False)  # a cohort's too
+    assert spec._sync_eager(step(top // 2 + 1), pipelined=True)
+    assert not spec._sync_eager(step(top // 2), pipelined=True)
+    adaptive = _engine(qwen3_dir, "ragged", NGRAM | {"budget": "adaptive"})
+    assert not adaptive.engine.speculation._sync_eager(step(top + 2), pipelined=False)
+    assert _engine(qwen3_dir, "eager", NGRAM).engine.speculation._graph_top == 0
+
+
 def test_forced_pipeline_never_leaves():
     p = VerifyPipeline("on")
     for _ in range(4 * WARMUP):
