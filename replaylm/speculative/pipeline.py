@@ -26,10 +26,10 @@ graphs. Where a synchronous verify of every request would pass the top graphed t
 and a cohort's would not (fixed K at many requests: 64 requests with 8 drafts each are 576
 tokens), the synchronous step runs eagerly, launching its kernels one by one at the cost of
 several graphed steps, and its long wait for the device would keep the rule from
-pipelining; there the engine pipelines whatever the times say (``sync_eager``). Leaving the pipelined mode is followed by
-at least ``COOLDOWN`` synchronous steps, twice that after each further exit (up to
-``MAX_COOLDOWN``), so two rules that disagree near the boundary cannot flip the mode every
-few steps.
+pipelining; there the engine pipelines whatever the times say (``sync_eager``). Leaving
+the pipelined mode is followed by at least ``COOLDOWN`` synchronous steps, twice that after
+each further exit (up to ``MAX_COOLDOWN``), so two rules that disagree near the boundary
+cannot flip the mode every few steps.
 
 ``SpecConfig.pipeline``: ``auto`` (the rule above, on a GPU: on the CPU a step runs inside
 its launch, so nothing would overlap), ``on`` (always split; tests and benchmarks) or
