@@ -61,7 +61,7 @@ def stats_between(before: SpecStats, after: SpecStats) -> dict[str, Any]:
     diff = copy.copy(after)
     for f in dataclasses.fields(SpecStats):
         v = getattr(after, f.name)
-        if isinstance(v, int) and not isinstance(v, bool) and f.name != "num_speculative_tokens":
+        if isinstance(v, (int, float)) and f.name not in SpecStats.SETTINGS:
             setattr(diff, f.name, v - getattr(before, f.name))
     return diff.as_dict()
 
@@ -146,7 +146,9 @@ def e2e_run(llm: Any, prompts: list[list[int]], new_tokens: int, warmup_tokens: 
         row.update({name: st[name] for name in (
             "mean_accepted_length", "per_token_acceptance", "acceptance_rate",
             "budget_tokens_per_step", "draft_tokens_per_step", "verify_steps", "steps",
-            "draft_tokens", "accepted_tokens", "padded_waste", "pipelined_steps")})
+            "draft_tokens", "accepted_tokens", "padded_waste", "pipelined_steps",
+            "expected_tokens_per_verify", "priced_ms_per_verify", "measured_tokens_per_verify",
+            "measured_ms_per_verify")})
     return row, outs
 
 

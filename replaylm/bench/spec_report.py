@@ -51,6 +51,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                          f"{r['budget_tokens_per_step']:.2f}")
             if r.get("pipelined_steps"):
                 extra += f"  pipelined {r['pipelined_steps']}/{r['verify_steps']}"
+            if r.get("budget") == "adaptive" and r.get("verify_steps"):
+                extra += (f"  verify expected {r['expected_tokens_per_verify']:.1f} tok in "
+                          f"{r['priced_ms_per_verify']:.2f} ms, measured "
+                          f"{r['measured_tokens_per_verify']:.1f} in "
+                          f"{r['measured_ms_per_verify']:.2f}")
             lines.append(f"  {r['config']:<22}{p:<7} batch {r['batch']:>3}: "
                          f"{r['tok_s']:>10,.1f} tok/s  x{r.get('speedup', 0):.2f}{extra}")
     return "\n".join(lines)

@@ -63,6 +63,7 @@ class Speculation:
         self._graph_top = max(runner.policy.token_tiers, default=0)
         self._last_end: float | None = None  # end of the previous step that launched work
         self._waited = 0.0  # this step's wait for the device (seconds)
+        self._emitted = 0  # tokens emitted by the verify steps resolved in this step
 
     def use(self, drafter: Drafter) -> None:
         """Propose drafts with ``drafter`` from the next step on; the rest of the configuration
@@ -81,7 +82,7 @@ class Speculation:
         core, budget, pipeline = self.core, self.budget, self.pipeline
         deltas: list[RequestDelta] = []
         hold: set[Request] = set()
-        self._waited = 0.0
+        self._waited, self._emitted = 0.0, 0
         if budget is not None and budget.coasting and core.overlap:
             # Coasting starts on a step that chose no drafts: what it leaves in flight is
             # plain (a pipelined one resolved the other cohort's verify).
@@ -111,6 +112,10 @@ class Speculation:
         now = time.perf_counter()
         if budget is not None:
             self._observe(budget, launched, due, verified, keep, now)
+        if verified and due and self._last_end is not None:
+            self.stats.measured_steps += 1
+            self.stats.measured_tokens += self._emitted
+            self.stats.measured_seconds += now - self._last_end
         if pipeline is not None and verified and self._last_end is not None:
             wall = now - self._last_end  # ``VerifyPipeline.observe``: host time and wait
             pipeline.observe(wall - self._waited, self._waited,
@@ -139,8 +144,11 @@ class Speculation:
         t0 = time.perf_counter()
         sampled = self.core.wait(step)
         self._waited += time.perf_counter() - t0
-        for req, k, accepted in self.stats.record_resolve(step.out.scheduled, sampled):
-            if self.budget is not None:
+        verified = self.stats.record_resolve(step.out.scheduled, sampled)
+        if verified:
+            self._emitted += sum(t >= 0 for t in sampled)
+        if self.budget is not None:
+            for req, k, accepted in verified:
                 self.budget.observe_verify(req, k, accepted)
         return self.core.apply(step, sampled)
 
@@ -217,6 +225,11 @@ class Speculation:
         kept = self.budget.choose([r for r, _ in able], self._base_tokens(hold),
                                   [k for _, k in able], others=len(hold))
         self.stats.budget_tokens += sum(kept)
+        if self.budget.last_priced is not None:
+            tokens, seconds = self.budget.last_priced
+            self.stats.chosen_steps += 1
+            self.stats.expected_tokens += tokens
+            self.stats.priced_seconds += seconds
 
     def _draft(self, reqs: list[Request]) -> list[int]:
         """``reqs``' drafts from the drafter (every other running request's cleared); returns

@@ -57,7 +57,7 @@ model) never coasts.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -129,6 +129,19 @@ def staircase(tiers: Sequence[int], measured: dict[int, float],
     return out
 
 
+def priced(stairs: Sequence[tuple[int, float]], base_tokens: int, alphas: Sequence[float],
+           ks: Sequence[int]) -> tuple[float, float]:
+    """What a choice expects of its step: the tokens it emits (each request's one, plus
+    ``alpha + ... + alpha**k`` for ``k`` drafts accepted with probability ``alpha`` each
+    given the ones before) and its price on ``stairs`` (the step's tier's cost)."""
+    tokens = float(len(ks))
+    for a, k in zip(alphas, ks):
+        if k:
+            tokens += k if a >= 1.0 else a * (1.0 - a ** k) / (1.0 - a)
+    i = bisect_left([t for t, _ in stairs], base_tokens + sum(ks))
+    return tokens, stairs[min(i, len(stairs) - 1)][1]
+
+
 def leading_matches(drafts: Sequence[int], actual: Sequence[int]) -> int:
     """How many of ``drafts`` equal ``actual`` before the first that does not."""
     n = 0
@@ -158,6 +171,8 @@ class AdaptiveBudget:
         self._counts = (PRIOR, 1.0)  # decayed (accepted, tried) over every request
         self.acceptance = PRIOR  # their ratio
         self.last_choice = 0  # draft tokens allowed by the latest choice (all requests)
+        # What the latest choice of drafts expects of its step: (tokens, seconds); ``priced``.
+        self.last_priced: tuple[float, float] | None = None
         self.coasting = False
         self.shadow: dict[Any, tuple[int, list[int]]] = {}  # request -> (output index, drafts)
         self._since_shadow = 0
@@ -220,19 +235,22 @@ class AdaptiveBudget:
         return self._plain_stairs[1].get(tier) if tier is not None else None
 
     def _choice(self, reqs: Sequence[Any], base_tokens: int, max_drafts: list[int],
-                margin: float = 0.0, others: int = 0) -> list[int]:
-        """``others``: the other cohort's decoding tokens (a pipelined step), which plain
-        decoding would run in the same step."""
+                margin: float = 0.0, others: int = 0,
+                ) -> tuple[list[int], tuple[float, float] | None]:
+        """The drafts per request, and what the step is expected to emit and cost where it
+        verifies any (``priced``). ``others``: the other cohort's decoding tokens (a
+        pipelined step), which plain decoding would run in the same step."""
         base_cost = self.plain_cost(base_tokens)
         plain_cost = self.plain_cost(base_tokens + others)
         if base_cost is None or plain_cost is None:  # plain decoding first: the rate to beat
-            return [0] * len(reqs)
+            return [0] * len(reqs), None
         stairs = self.staircase(floor=base_cost, cohort=others > 0)
         if self.graph_top is not None and base_tokens <= self.graph_top:
             stairs = stairs[:bisect_right(self.tiers, self.graph_top)]
-        return choose_budget(stairs, base_tokens, [self.estimate(r) for r in reqs], max_drafts,
-                             base_cost=base_cost, margin=margin,
-                             base_rate=(len(reqs) + others) / plain_cost)
+        alphas = [self.estimate(r) for r in reqs]
+        ks = choose_budget(stairs, base_tokens, alphas, max_drafts, base_cost=base_cost,
+                           margin=margin, base_rate=(len(reqs) + others) / plain_cost)
+        return ks, priced(stairs, base_tokens, alphas, ks) if sum(ks) else None
 
     def choose(self, reqs: Sequence[Any], base_tokens: int,
                room: Sequence[int] | None = None, others: int = 0) -> list[int]:
@@ -246,16 +264,17 @@ class AdaptiveBudget:
         of none starts coasting, unless it is none only because requests near their end
         have room for fewer than ``num_speculative_tokens`` drafts (one draft may not pay
         where eight do): that step runs plain and the state stays."""
+        self.last_priced = None
         if not reqs:
             return []
         most = [len(r.draft_tokens) for r in reqs]
-        ks = self._choice(reqs, base_tokens, most, others=others)
+        ks, self.last_priced = self._choice(reqs, base_tokens, most, others=others)
         for r, k in zip(reqs, ks):
             del r.draft_tokens[k:]
         self.last_choice = sum(ks)
         if not self.last_choice and room is not None:
             full = [self.k if n == m < self.k else n for n, m in zip(most, room)]
-            if full != most and sum(self._choice(reqs, base_tokens, full, others=others)):
+            if full != most and sum(self._choice(reqs, base_tokens, full, others=others)[0]):
                 return ks
         self.coasting = not self.last_choice
         if self._verify_run is not None:
@@ -348,7 +367,7 @@ class AdaptiveBudget:
         cohort = reqs[:len(reqs) - others]
         enter = bool(reqs) and sum(self._choice(cohort, max(1, base_tokens() - others),
                                                 [self.k] * len(cohort), ENTER_MARGIN,
-                                                others)) > 0
+                                                others)[0]) > 0
         if enter:
             self.coasting = False
             self.shadow.clear()

@@ -40,6 +40,16 @@ class SpecStats:
     draft_forwards: int = 0  # draft model steps run (catch-up and draft steps)
     coast_steps: int = 0  # adaptive budget: plain overlapped steps run while it does not pay
     pipelined_steps: int = 0  # verify steps left in flight while the next cohort's was built
+    # What the adaptive budget expected of the verify steps it chose drafts for: the tokens
+    # they emit and their price (``AdaptiveBudget.last_priced``), and what verify steps did:
+    # the wall time of those measured (end of the previous step to the end of theirs) and
+    # the tokens emitted by the verify steps resolved in them.
+    chosen_steps: int = 0
+    expected_tokens: float = 0.0
+    priced_seconds: float = 0.0
+    measured_steps: int = 0
+    measured_tokens: int = 0
+    measured_seconds: float = 0.0
 
     def record_launch(self, scheduled: Sequence[Any], real: int, padded: int,
                       layout_pad: int = 0) -> None:
@@ -103,4 +113,9 @@ class SpecStats:
             "verify_step_padded_tokens": self.verify_step_padded_tokens,
             "layout_pad_tokens": self.layout_pad_tokens,
             "rejections": self.rejections,
+            "expected_tokens_per_verify": self.expected_tokens / max(1, self.chosen_steps),
+            "priced_ms_per_verify": 1000 * self.priced_seconds / max(1, self.chosen_steps),
+            "measured_tokens_per_verify": self.measured_tokens / max(1, self.measured_steps),
+            "measured_ms_per_verify": 1000 * self.measured_seconds
+            / max(1, self.measured_steps),
         }

@@ -157,6 +157,25 @@ def test_plain_cost_decides_and_zero_choice_coasts():
     assert b.choose([r], 1) == [0] and b.coasting and r.draft_tokens == []
 
 
+def test_a_choice_says_what_it_expects_of_its_step():
+    """``last_priced``: the tokens a chosen step is expected to emit (each request's one
+    plus ``alpha + alpha**2 + ...`` for its drafts) and its tier's cost; None when no drafts
+    are chosen, or there is nothing to choose."""
+    from replaylm.speculative.adaptive import AdaptiveBudget, priced
+
+    assert priced([(2, 1.0), (4, 2.0)], 1, [0.5, 1.0], [2, 1]) == (2 + 0.75 + 1.0, 2.0)
+    b = AdaptiveBudget([1, 2, 4, 8], 2)
+    b.observe_step(1, 1.0, verified=False)
+    b.observe_step(2, 1.0, verified=True)
+    r = _Req([7, 8])
+    r.spec_acceptance = 0.6
+    assert b.choose([r], 1) == [2]  # tier 4, above every measured one: costs what 2 does
+    assert b.last_priced == pytest.approx((1 + 0.6 + 0.36, 1.0))
+    assert b.choose([], 1) == [] and b.last_priced is None
+    r.draft_tokens, r.spec_acceptance = [7, 8], 0.0
+    assert b.choose([r], 1) == [0] and b.last_priced is None
+
+
 def test_a_request_near_its_end_does_not_start_coasting():
     """One draft may not pay where four do: a request with room for one draft before its
     max_tokens runs its step plain, but the engine keeps verifying; a drafter that proposes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -243,6 +245,7 @@ def test_adaptive_budget_keeps_verifying_across_requests(qwen3_dir, monkeypatch)
     budget.costs = dict.fromkeys(budget.tiers, 1.2)
     budget.coasting, budget.hold = False, 0
     core.use_drafter(ControlledDrafter(refs, 1.0, int(llm.model_config.vocab_size), 0))
+    start = copy.copy(core.spec_stats)
     for prompt in prompts * 2:
         before = llm.spec_stats()
         out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -252,6 +255,18 @@ def test_adaptive_budget_keeps_verifying_across_requests(qwen3_dir, monkeypatch)
         # Every draft right: 23 tokens after the prefill's, 4 drafts + 1 per verify.
         assert after["verify_steps"] - before["verify_steps"] == 5
         assert not budget.coasting
+    # What the budget expected of its verify steps, beside what they did: each priced at
+    # its tier's 1.2 s and expected to emit up to 5 tokens (4 drafts). A request's first
+    # verify resolves the prefill left in flight first, so it is not measured: the other
+    # four (5, 5, 5 and 3 tokens) are.
+    st = {f: getattr(core.spec_stats, f) - getattr(start, f) for f in (
+        "chosen_steps", "expected_tokens", "priced_seconds", "measured_steps",
+        "measured_tokens", "measured_seconds")}
+    assert st["chosen_steps"] == 20 and st["measured_steps"] == 16
+    assert st["priced_seconds"] == pytest.approx(20 * 1.2)
+    assert 20 < st["expected_tokens"] <= 20 * 5
+    assert st["measured_tokens"] == 4 * 18
+    assert 0 < st["measured_seconds"] < 16 * 1.2
 
 
 def test_spec_stats_reach_the_metrics(qwen3_dir):
