@@ -145,8 +145,9 @@ class Speculation:
         sampled = self.core.wait(step)
         self._waited += time.perf_counter() - t0
         verified = self.stats.record_resolve(step.out.scheduled, sampled)
-        if verified:
-            self._emitted += sum(t >= 0 for t in sampled)
+        if verified:  # each sampling request's token, then its accepted drafts
+            self._emitted += (sum(1 for s in step.out.scheduled if s.sample)
+                              + sum(a for _, _, a in verified))
         if self.budget is not None:
             for req, k, accepted in verified:
                 self.budget.observe_verify(req, k, accepted)
