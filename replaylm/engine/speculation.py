@@ -43,14 +43,15 @@ class Speculation:
             self.use(drafter)
         else:
             self.use(make_drafter(spec))
+        # The top graphed token tier (0: none), past which a step runs eagerly.
+        self._graph_top = max(runner.policy.token_tiers, default=0)
         self.budget: AdaptiveBudget | None = None
         if spec.budget == "adaptive":
-            graphed = runner.policy.token_tiers
             top = runner.policy.top_tier
-            tiers = graphed + [
+            tiers = runner.policy.token_tiers + [
                 t for t in eager_tiers(core.args.max_num_batched_tokens) if t > top]
             self.budget = AdaptiveBudget(tiers, spec.num_speculative_tokens,
-                                         graph_top=max(graphed) if graphed else None)
+                                         graph_top=self._graph_top or None)
         # Overlap scheduling (``EngineCore.overlap``) is for drafters without device state:
         # plain steps while the adaptive budget coasts, and pipelined verify steps.
         self.overlaps = draft_runner is None
@@ -59,8 +60,6 @@ class Speculation:
                 spec.pipeline == "on"
                 or (spec.pipeline == "auto" and runner.device.type == "cuda")):
             self.pipeline = VerifyPipeline(spec.pipeline)
-        # The top graphed token tier (0: none), past which a step runs eagerly.
-        self._graph_top = max(runner.policy.token_tiers, default=0)
         self._last_end: float | None = None  # end of the previous step that launched work
         self._waited = 0.0  # this step's wait for the device (seconds)
         self._emitted = 0  # tokens emitted by the verify steps resolved in this step
@@ -112,14 +111,15 @@ class Speculation:
         now = time.perf_counter()
         if budget is not None:
             self._observe(budget, launched, due, verified, keep, now)
-        if verified and due and self._last_end is not None:
-            self.stats.measured_steps += 1
-            self.stats.measured_tokens += self._emitted
-            self.stats.measured_seconds += now - self._last_end
-        if pipeline is not None and verified and self._last_end is not None:
-            wall = now - self._last_end  # ``VerifyPipeline.observe``: host time and wait
-            pipeline.observe(wall - self._waited, self._waited,
-                             sync_eager=self._sync_eager(launched, pipelined=keep))
+        if verified and self._last_end is not None:
+            wall = now - self._last_end
+            if due:
+                self.stats.measured_steps += 1
+                self.stats.measured_tokens += self._emitted
+                self.stats.measured_seconds += wall
+            if pipeline is not None:  # ``VerifyPipeline.observe``: host time and wait
+                pipeline.observe(wall - self._waited, self._waited,
+                                 sync_eager=self._sync_eager(launched, pipelined=keep))
         self._last_end = now if launched is not None else None
         if budget is not None and budget.coasting and budget.shadow:
             t0 = time.perf_counter()
