@@ -2,9 +2,11 @@
 estimates feed ``budget.choose_budget`` every step, and decide when speculation pays at all.
 
 Costs are learnt online as the wall time between the ends of consecutive steps, kept per
-tier (a graph's token tier, or for eager steps the next power of two) as the least of the
-last ``WINDOW`` times (a step's time only ever exceeds what the tier costs: a collection
-pause or a compile must not keep speculation off for good): ``costs`` for steps that verify
+tier (a graph's token tier, or for eager steps the next power of two) as the lower median
+of the last ``WINDOW`` times. The chooser compares expected rates, so a tier costs what its
+steps typically take: the least time would price every tier below it, and verify steps
+(noisier than overlapped plain ones) furthest below. One collection pause or compile does not
+count (of two times, the lesser counts). ``costs`` for steps that verify
 drafts and resolve before the next step is built, ``cohort_costs`` for pipelined ones (a
 cohort's step, in flight while the other cohort's is built: ``speculative.pipeline``), and
 ``plain_costs`` for plain steps run with overlap scheduling (the CPU builds step N+1 while
@@ -67,7 +69,7 @@ from replaylm.speculative.budget import choose_budget
 
 PRIOR = 0.5  # acceptance assumed before anything is measured
 DECAY = 0.98  # weight left to earlier evidence per draft tried
-WINDOW = 8  # step costs: the least of this many latest times per tier
+WINDOW = 8  # step costs: the lower median of this many latest times per tier
 SHORT_RUN = 16  # verify steps after a shadow-ended stretch that count as a false start
 MAX_HOLD = 64  # longest stretch a false start makes coasting keep
 SHADOW_EVERY = 4  # coasting: fewest steps between rounds of shadow proposals
@@ -91,7 +93,7 @@ def _observe(times: dict[int, deque[float]], costs: dict[int, float], tier: int,
              seconds: float) -> None:
     window = times.setdefault(tier, deque(maxlen=WINDOW))
     window.append(seconds)
-    costs[tier] = min(window)
+    costs[tier] = sorted(window)[(len(window) - 1) // 2]
 
 
 def _decayed(counts: tuple[float, float], accepted: int, tried: int) -> tuple[float, float]:
@@ -323,9 +325,9 @@ class AdaptiveBudget:
 
     def shadow_interval(self) -> int:
         """Coasting steps from one shadow round to the next: ``SHADOW_EVERY`` while a round
-        (its proposals and choices: the least of the latest ``WINDOW``, as for step costs,
-        so one preempted round does not space the next ones out; ``SHADOW_EVERY`` until
-        that many are measured) fits in the host's waits for the device over that many
+        (its proposals and choices: the least of the latest ``WINDOW``, so one preempted
+        round does not space the next ones out; ``SHADOW_EVERY`` until that many are
+        measured) fits in the host's waits for the device over that many
         plain steps, else as many as keep it within ``SHADOW_SHARE`` of the plain steps'
         time, up to ``MAX_SHADOW_EVERY``."""
         full = len(self._round_costs) == WINDOW

@@ -94,17 +94,24 @@ def test_adaptive_budget_learns_costs_and_acceptance():
     assert AdaptiveBudget([4, 8, 16], 4).staircase(floor=1.0) == [(4, 1.0), (8, 1.0), (16, 1.0)]
     b.observe_step(4, 1.3, verified=True)
     b.observe_step(4, 9.0, verified=True)  # a pause inside the step: not what tier 4 costs
-    assert b.costs[4] == pytest.approx(1.3)  # the least of the latest times
+    assert b.costs[4] == pytest.approx(1.3)  # of two times the lesser
+    b.observe_step(4, 1.4, verified=True)
+    b.observe_step(4, 1.2, verified=True)
+    assert b.costs[4] == pytest.approx(1.3)  # a typical time: the lower median
+    b.observe_step(4, 1.5, verified=True)
+    assert b.costs[4] == pytest.approx(1.4)  # of 1.2, 1.3, 1.4, 1.5 and 9.0
     for _ in range(adaptive.WINDOW):
         b.observe_step(4, 1.5, verified=True)
     assert b.costs[4] == pytest.approx(1.5)  # the window moved on
-    b.observe_step(4, 1.3, verified=True)
+    for _ in range(adaptive.WINDOW):
+        b.observe_step(4, 1.3, verified=True)
     # Unmeasured tiers cost what the largest measured one below costs: the most they could
     # gain, so the chooser tries them where that would pay.
     assert b.staircase() == [(4, pytest.approx(1.3)), (8, pytest.approx(1.3)),
                              (16, pytest.approx(1.3))]
     # The staircases are kept between steps: a cost that changes shows in the next one.
-    b.observe_step(4, 1.1, verified=True)
+    for _ in range(adaptive.WINDOW // 2 + 1):
+        b.observe_step(4, 1.1, verified=True)
     assert b.staircase()[0] == (4, pytest.approx(1.1))
     assert b.plain_cost(3) == pytest.approx(1.0)
     b.observe_step(4, 0.9, verified=False)
